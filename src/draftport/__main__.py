@@ -1,0 +1,5 @@
+import sys
+
+from draftport.cli import main
+
+sys.exit(main())

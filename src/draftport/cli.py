@@ -1,0 +1,215 @@
+"""`draftport <verb>`: parse flags into the verb's dataclass config and call the verb's importable main.
+
+Heavy modules (torch, transformers) are imported lazily inside the verb that needs them, so that
+`check` and `economics` answer in well under a second (design.md §3).
+Errors: one line on stderr naming the file and the problem, exit 2; `--debug` shows the traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime as _dt
+import importlib
+import os
+import sys
+
+from draftport.errors import DraftportError
+
+# verb -> (module, config dataclass, main function). The config's fields carry the same names as the
+# argparse dests below; `config_from_args` copies the ones the dataclass declares.
+VERBS = {
+    "check": ("draftport.compat", "CheckConfig", "main"),
+    "economics": ("draftport.economics", "EconomicsConfig", "main"),
+    "capture": ("draftport.capture", "CaptureConfig", "main"),
+    "train": ("draftport.train", "TrainConfig", "main"),
+    "eval": ("draftport.evaluate", "EvalConfig", "main"),
+    "generate": ("draftport.evaluate", "GenerateConfig", "generate_main"),
+    "probe": ("draftport.probe", "ProbeConfig", "main"),
+    "export": ("draftport.formats", "ExportConfig", "export_main"),
+    "study": ("draftport.study", "StudyConfig", "main"),
+    "demo": ("draftport.demo", "DemoConfig", "main"),
+}
+
+WRITING_VERBS = {"capture", "train", "eval", "probe", "export", "study", "demo"}
+
+
+def default_out(verb: str) -> str:
+    """`./draftport-runs/<verb>-<UTC timestamp>/` (demo: `./draftport-demo/`), design.md §2."""
+    if verb == "demo":
+        return os.path.join(".", "draftport-demo")
+    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    return os.path.join(".", "draftport-runs", f"{verb}-{stamp}")
+
+
+def config_from_args(cls, args: argparse.Namespace):
+    """Build a verb's dataclass config from the parsed flags (fields absent from args keep defaults)."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: v for k, v in vars(args).items() if k in names})
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+
+
+def _add_common(p: argparse.ArgumentParser, *, target=False, data=False, out=False, samples=False,
+                device=False, seed=False, json=True, template=False, gen=False) -> None:
+    if target:
+        p.add_argument("--target", required=True, help="HF model dir, .gguf file, or 'gemma-3-270m' (embedded default)")
+        p.add_argument("--trust-remote-code", action="store_true", help="allow the target's own code (off by default)")
+    if data:
+        p.add_argument("--data", required=True, help="sharegpt | mt-bench | humaneval | a JSON/JSONL file | a capture store")
+    if out:
+        p.add_argument("--out", default=None, help="output directory (default ./draftport-runs/<verb>-<UTC time>/)")
+    if samples:
+        p.add_argument("--max-samples", type=int, default=None, help="use at most N samples")
+        p.add_argument("--max-len", type=int, default=None, help="tokens per sample at most")
+        p.add_argument("--batch-size", type=int, default=None)
+    if device:
+        p.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda when available")
+        p.add_argument("--dtype", default=None, choices=["bf16", "fp32"], help="default: bf16 on cuda, fp32 on cpu")
+    if seed:
+        p.add_argument("--seed", type=int, default=0)
+    if template:
+        p.add_argument("--chat-template", default=None,
+                       help="named template (llama3, qwen, gemma, kimi-k2, plain …); default: the tokenizer's own, else plain")
+    if gen:
+        p.add_argument("--max-new-tokens", type=int, default=None)
+        p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+        p.add_argument("--top-p", type=float, default=1.0)
+        p.add_argument("--depth", type=int, default=None, help="draft depth k (chain default 3, tree default 5)")
+        p.add_argument("--topk", type=int, default=1, help="1 = chain; >1 = EAGLE-2 dynamic tree")
+        p.add_argument("--num-draft-tokens", type=int, default=None, help="tree: tokens verified per cycle (default 8)")
+    if json:
+        p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="draftport",
+        description="EAGLE-3 drafters: economics, compatibility, capture, training, speculative decoding, export.")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks")
+    sub = parser.add_subparsers(dest="verb", metavar="VERB")
+
+    p = sub.add_parser("check", help="can this drafter replace another / does it fit a target")
+    p.add_argument("drafter", help="drafter dir or config.json")
+    p.add_argument("other", nargs="?", default=None, help="a second drafter to compare against")
+    p.add_argument("--target", default=None, help="target dir, config.json or .gguf")
+    p.add_argument("--engine", default="both", choices=["sglang", "vllm", "both"])
+    p.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("economics", help="will speculation pay: tok/s, break-even and required acceptance")
+    p.add_argument("--cycle-ms", type=float, default=None, help="measured time of one draft+verify cycle")
+    p.add_argument("--verify-ms", type=float, default=None, help="verify pass time (needs --depth and --draft-ms)")
+    p.add_argument("--draft-ms", type=float, default=None, help="one drafter step")
+    p.add_argument("--overhead-ms", type=float, default=None, help="per-cycle overhead (default 0)")
+    p.add_argument("--depth", type=int, default=None, help="chain depth k (omit = unbounded)")
+    p.add_argument("--accept-len", type=float, default=None, help="measured τ (accepted drafts + 1 per cycle)")
+    p.add_argument("--baseline-tok-s", type=float, default=None, help="no-speculation tok/s")
+    p.add_argument("--target-tok-s", type=float, default=None, help="goal tok/s")
+    p.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("capture", help="target hidden states → a sharded store")
+    _add_common(p, target=True, data=True, out=True, samples=True, device=True, seed=True, template=True)
+    p.add_argument("--aux-layers", type=_int_list, default=None, help="'input of decoder layer i' ids (default 2,L//2,L-3)")
+    p.add_argument("--regenerate", action="store_true", help="replace assistant turns with the target's own responses")
+    p.add_argument("--samples-per-prompt", type=int, default=1)
+    p.add_argument("--save-data", default=None, help="keep the regenerated conversations as JSONL")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="regeneration: tokens per response")
+    p.add_argument("--temperature", type=float, default=0.0, help="regeneration temperature")
+    p.add_argument("--restart", action="store_true", help="start over instead of resuming")
+
+    p = sub.add_parser("train", help="train or fine-tune a drafter (TTT); resumes in the same --out")
+    _add_common(p, target=True, data=True, out=True, samples=True, device=True, seed=True, template=True)
+    p.add_argument("--init-from", default=None, help="warm start from a drafter (any supported layout)")
+    p.add_argument("--remap-vocab", action="store_true", help="with --init-from: build a new vocab mapping and remap lm_head")
+    p.add_argument("--restart", action="store_true", help="start over instead of resuming")
+    p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--ttt-steps", type=int, default=7)
+    p.add_argument("--draft-vocab-size", type=int, default=None, help="default min(32000, V)")
+    p.add_argument("--aux-layers", type=_int_list, default=None)
+    p.add_argument("--lr", type=float, default=None)
+    p.add_argument("--val-every", type=int, default=None)
+    p.add_argument("--save-every", type=int, default=None)
+    p.add_argument("--keep-last", type=int, default=None)
+
+    p = sub.add_parser("eval", help="online τ and tok/s vs no speculation")
+    _add_common(p, target=True, out=True, samples=True, device=True, seed=True, template=True, gen=True)
+    p.add_argument("--drafter", required=True)
+    p.add_argument("--prompts", default="mt-bench", help="mt-bench | humaneval | sharegpt | FILE")
+    p.add_argument("--store", default=None, help="capture store for offline τ next to the online one")
+    p.add_argument("--no-hf-baseline", action="store_true", help="skip timing HF generate")
+
+    p = sub.add_parser("generate", help="speculative generation of one prompt")
+    _add_common(p, target=True, device=True, seed=True, template=True, gen=True)
+    p.add_argument("--drafter", default=None, help="omit for plain (no speculation) decoding")
+    p.add_argument("--prompt", required=True)
+
+    p = sub.add_parser("probe", help="transferability before training: hidden-state similarity and plug-in τ")
+    p.add_argument("--target-a", required=True)
+    p.add_argument("--target-b", required=True)
+    p.add_argument("--drafter", default=None, help="drafter trained for A (plug-in τ on B)")
+    p.add_argument("--trust-remote-code", action="store_true")
+    _add_common(p, data=True, out=True, samples=True, device=True, seed=True, template=True)
+
+    p = sub.add_parser("export", help="write SGLang / vLLM / speculators layouts")
+    p.add_argument("drafter")
+    p.add_argument("--format", required=True, choices=["sglang", "speculators", "vllm"])
+    p.add_argument("--out", default=None)
+    p.add_argument("--target", default=None, help="target config (decides the aux-id rule per engine)")
+    p.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("study", help="the whole port study → report.md / report.html")
+    p.add_argument("--target-a", required=True)
+    p.add_argument("--drafter-a", required=True)
+    p.add_argument("--target-b", required=True)
+    p.add_argument("--sizes", type=_int_list, default=None, help="data sizes for the scaling curve, e.g. 50,200")
+    p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--ttt-steps", type=int, default=7)
+    p.add_argument("--prompts", default="mt-bench")
+    p.add_argument("--max-new-tokens", type=int, default=None)
+    p.add_argument("--trust-remote-code", action="store_true")
+    _add_common(p, data=True, out=True, samples=True, device=True, seed=True, template=True)
+
+    p = sub.add_parser("demo", help="the embedded default end to end (Gemma-3-270M on CPU)")
+    p.add_argument("--out", default=None, help="default ./draftport-demo/")
+    p.add_argument("--device", default=None, choices=["cpu", "cuda"])
+    p.add_argument("--restart", action="store_true")
+    p.add_argument("--json", action="store_true")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.verb is None:
+        parser.print_help()
+        return 2
+    if args.verb in WRITING_VERBS and getattr(args, "out", None) is None:
+        args.out = default_out(args.verb)
+    module_name, config_name, main_name = VERBS[args.verb]
+    try:
+        module = importlib.import_module(module_name)
+        cfg = config_from_args(getattr(module, config_name), args)
+        return int(getattr(module, main_name)(cfg) or 0)
+    except DraftportError as exc:
+        if args.debug:
+            raise
+        print(f"draftport: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("draftport: interrupted (rerun the same command to resume)", file=sys.stderr)
+        return 130
+    except Exception as exc:  # an internal bug: still one line, with the way to see more
+        if args.debug:
+            raise
+        msg = " ".join(f"{type(exc).__name__}: {exc}".split())
+        print(f"draftport: internal error: {msg} (rerun with --debug for the traceback)", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

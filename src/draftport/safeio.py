@@ -1,0 +1,112 @@
+"""Small file helpers every stage shares: strict JSON reading, atomic writes, checksums.
+
+Readers raise `DraftportError` naming the file and the problem (never a traceback); writers go
+through a temporary name + fsync + rename so a kill never leaves a half-written file under the
+real name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from typing import Any, Iterator
+
+from draftport.errors import bad_input
+
+MAX_JSON_BYTES = 64 * 1024 * 1024  # a config or manifest larger than this is not one we wrote or expect
+
+
+def read_json(path: str | os.PathLike, *, expect: type | None = dict, max_bytes: int = MAX_JSON_BYTES) -> Any:
+    """Parse a JSON file; missing, oversized, truncated or wrongly-typed files are one-line errors."""
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise bad_input(path, "no such file")
+    if os.path.isdir(path):
+        raise bad_input(path, "is a directory, expected a JSON file")
+    size = os.path.getsize(path)
+    if size > max_bytes:
+        raise bad_input(path, f"JSON file is {size} bytes, more than the {max_bytes} allowed")
+    try:
+        with open(path, "rb") as f:
+            text = f.read().decode("utf-8")
+        obj = json.loads(text)
+    except UnicodeDecodeError:
+        raise bad_input(path, "not UTF-8 text (is it a binary or pickle file?)")
+    except json.JSONDecodeError as exc:
+        raise bad_input(path, f"malformed JSON at line {exc.lineno} column {exc.colno}: {exc.msg}")
+    except RecursionError:
+        raise bad_input(path, "JSON nested too deeply")
+    if expect is not None and not isinstance(obj, expect):
+        raise bad_input(path, f"expected a JSON {expect.__name__}, got {type(obj).__name__}")
+    return obj
+
+
+def iter_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, Any]]:
+    """Yield (line number, object) for each non-empty line; a malformed line is an error naming it."""
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise bad_input(path, "no such file")
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            line = raw.strip()
+            if not line:
+                continue
+            try:
+                yield lineno, json.loads(line.decode("utf-8"))
+            except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+                raise bad_input(path, f"line {lineno} is not valid JSON ({type(exc).__name__})")
+
+
+def _fsync_dir(dirname: str) -> None:
+    try:
+        fd = os.open(dirname, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Write to a temporary file in the same directory, fsync, rename over `path`."""
+    path = os.fspath(path)
+    dirname = os.path.dirname(os.path.abspath(path))
+    os.makedirs(dirname, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".partial", dir=dirname)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        _fsync_dir(dirname)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
+    atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=False) + "\n").encode("utf-8"))
+
+
+def atomic_rename_dir(tmp_dir: str, final_dir: str) -> None:
+    """Publish a fully written directory under its final name (the rename is the commit point)."""
+    os.replace(tmp_dir, final_dir)
+    _fsync_dir(os.path.dirname(os.path.abspath(final_dir)))
+
+
+def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while True:
+            block = f.read(chunk)
+            if not block:
+                break
+            h.update(block)
+    return h.hexdigest()

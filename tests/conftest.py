@@ -1,0 +1,40 @@
+"""Shared fixtures. Tiny random models are built in code; the real Gemma-3-270M is loaded once per session."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+@pytest.fixture(scope="session")
+def fixtures_dir() -> Path:
+    return FIXTURES
+
+
+@pytest.fixture(scope="session")
+def gemma_target():
+    """The embedded default target (Gemma-3-270M, fp32, CPU), loaded once per test session."""
+    from draftport.target import load_target
+
+    return load_target("gemma-3-270m", device="cpu", dtype="fp32")
+
+
+def pytest_collection_modifyitems(config, items):
+    import importlib.util
+
+    has_cuda = False
+    if importlib.util.find_spec("torch") is not None:
+        import torch
+
+        has_cuda = torch.cuda.is_available()
+    skip_gpu = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords and not has_cuda:
+            item.add_marker(skip_gpu)
+
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
