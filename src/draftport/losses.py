@@ -1,0 +1,249 @@
+"""Training-time-test (TTT) math as pure torch functions the training loop calls once per step.
+
+Layout (algorithms.md): after the one initial shift, position t of every TTT step belongs to the
+same draft chain, anchored at t. Step i at position t reads the token x_{t+1+i} and is scored
+against the target distribution p_{t+1+i}, so step i's token ids, target logits and loss mask are
+the step-0 ones shifted left by i (`shift_left`), with the last i positions masked. Hits of
+different steps at the same position t are therefore one chain, which is what the conditional
+accuracies c_i need.
+
+Draft-vocab columns: draft row r scores target id `used[r]`. `t2d` (bool [V]) names those ids in
+increasing order, which is how vocab.py and SGLang lay them out; a mapping whose rows are not in id
+order passes `used` (int64 [Vd]) wherever a `t2d` is taken.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from draftport.errors import DraftportError
+
+DEFAULT_DECAY = 0.8  # EAGLE-3 step weight 0.8^i
+
+
+def draft_columns(t2d: torch.Tensor) -> torch.Tensor:
+    """Target id of each draft row, int64 [Vd]: from t2d (bool [V]) or `used` given directly."""
+    if t2d.dtype == torch.bool:
+        return torch.nonzero(t2d).reshape(-1)
+    return t2d.to(torch.long)
+
+
+def shift_left(x: torch.Tensor, i: int, dim: int = 1, fill=0) -> torch.Tensor:
+    """x moved i places toward index 0 along `dim` (the T axis); the last i slots hold `fill`.
+
+    Step i of TTT sees step-0 tensors through this: mask_i[t] = mask_0[t + i], and positions whose
+    chain would run past the end of the sequence are masked out (fill 0).
+    """
+    if i < 0:
+        raise ValueError(f"shift must be >= 0, got {i}")
+    if i == 0:
+        return x
+    length = x.shape[dim]
+    pad_shape = list(x.shape)
+    pad_shape[dim] = min(i, length)
+    pad = x.new_full(pad_shape, fill)
+    if i >= length:
+        return pad
+    return torch.cat([x.narrow(dim, i, length - i), pad], dim=dim)
+
+
+def ttt_step_mask(loss_mask: torch.Tensor, i: int) -> torch.Tensor:
+    """The loss mask [B, T] of TTT step i, aligned with its positions (step-0 mask shifted left by i)."""
+    return shift_left(loss_mask, i, dim=1, fill=0)
+
+
+def target_probs_in_draft_vocab(target_logits: torch.Tensor, t2d: torch.Tensor) -> torch.Tensor:
+    """P [B, T, Vd] fp32: the target's softmax over the draft-vocab columns only (renormalised)."""
+    cols = draft_columns(t2d).to(target_logits.device)
+    return torch.softmax(target_logits.index_select(-1, cols).float(), dim=-1)
+
+
+def position_valid(loss_mask: torch.Tensor, target_argmax: torch.Tensor, t2d: torch.Tensor) -> torch.Tensor:
+    """bool [B, T]: the position is trained on (loss mask set) and the target's argmax has a draft row.
+
+    Positions whose argmax lies outside the draft vocab are skipped by the loss: no draft can match
+    it, so pushing mass toward the renormalised remainder would teach the drafter nothing useful.
+    """
+    if t2d.dtype == torch.bool:
+        in_vocab = t2d.to(target_argmax.device)[target_argmax]
+    else:
+        in_vocab = torch.isin(target_argmax, t2d.to(target_argmax.device))
+    return loss_mask.to(torch.bool) & in_vocab
+
+
+def _denominator(valid: torch.Tensor, reduction: str) -> torch.Tensor:
+    if reduction == "valid":  # mean over the positions that count; 1 when none (loss is then 0)
+        return valid.sum().clamp_min(1).to(torch.float32)
+    if reduction == "all":    # SpecForge / EAGLE cnets.py: masked sum over B·T, for golden parity
+        return torch.tensor(float(max(valid.numel(), 1)), device=valid.device)
+    raise ValueError(f"reduction must be 'valid' or 'all', got {reduction!r}")
+
+
+def soft_ce(draft_logits: torch.Tensor, probs: torch.Tensor, valid: torch.Tensor,
+            reduction: str = "valid") -> torch.Tensor:
+    """−Σ_v P(v) log softmax(draft)(v), fp32, averaged over valid positions → scalar.
+
+    draft_logits [B, T, Vd], probs [B, T, Vd] (from `target_probs_in_draft_vocab`), valid bool [B, T].
+    No valid position → exactly 0, still attached to the graph so `backward` works (zero grads).
+    """
+    valid = valid.to(torch.bool)
+    logq = F.log_softmax(draft_logits.float(), dim=-1)   # [B, T, Vd]
+    per_pos = -(probs.float() * logq).sum(-1)              # [B, T]
+    per_pos = torch.where(valid, per_pos, torch.zeros_like(per_pos))  # invalid rows: no value, no grad
+    return per_pos.sum() / _denominator(valid, reduction)
+
+
+class _ChunkedSoftCE(torch.autograd.Function):
+    """Soft CE streamed over draft-vocab chunks: fp32 work tensors are [B, T, chunk], never [B, T, V].
+
+    Per position, with d = draft logits and t = target logits on the draft columns:
+    loss = logsumexp(d) − Σ_v softmax(t)_v d_v (P sums to 1), and ∂loss/∂d = softmax(d) − softmax(t).
+    The forward keeps an online (running-max) softmax of t; the backward recomputes both softmaxes
+    chunk by chunk from the two saved logsumexps, so nothing vocab-wide in fp32 is kept for autograd.
+    """
+
+    @staticmethod
+    def forward(ctx, draft_logits, target_logits, cols, valid, denom, chunk):
+        shape = draft_logits.shape[:-1]                   # [B, T]
+        dev = draft_logits.device
+        lse_d = torch.full(shape, -float("inf"), device=dev)
+        m_t = torch.full(shape, -float("inf"), device=dev)  # running max of t
+        s_t = torch.zeros(shape, device=dev)                # Σ exp(t − m_t)
+        w_t = torch.zeros(shape, device=dev)                # Σ exp(t − m_t) · d
+        for start in range(0, cols.numel(), chunk):
+            d = draft_logits[..., start:start + chunk].float()             # [B, T, C]
+            t = target_logits.index_select(-1, cols[start:start + chunk]).float()
+            lse_d = torch.logaddexp(lse_d, torch.logsumexp(d, dim=-1))
+            m_new = torch.maximum(m_t, t.amax(-1))
+            scale = torch.exp(m_t - m_new)
+            e = torch.exp(t - m_new.unsqueeze(-1))
+            s_t = s_t * scale + e.sum(-1)
+            w_t = w_t * scale + (e * d).sum(-1)
+            m_t = m_new
+        lse_t = m_t + torch.log(s_t)
+        per_pos = lse_d - w_t / s_t                                         # [B, T]
+        per_pos = torch.where(valid, per_pos, torch.zeros_like(per_pos))
+        ctx.save_for_backward(draft_logits, target_logits, cols, valid, lse_d, lse_t, denom)
+        ctx.chunk = chunk
+        return per_pos.sum() / denom
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        draft_logits, target_logits, cols, valid, lse_d, lse_t, denom = ctx.saved_tensors
+        scale = (grad_out / denom).float()                                  # scalar
+        grad = torch.empty_like(draft_logits)                               # [B, T, Vd], input dtype
+        keep = valid.unsqueeze(-1)
+        for start in range(0, cols.numel(), ctx.chunk):
+            d = draft_logits[..., start:start + ctx.chunk].float()
+            t = target_logits.index_select(-1, cols[start:start + ctx.chunk]).float()
+            g = torch.exp(d - lse_d.unsqueeze(-1)) - torch.exp(t - lse_t.unsqueeze(-1))
+            g = torch.where(keep, g * scale, torch.zeros_like(g))
+            grad[..., start:start + ctx.chunk] = g.to(grad.dtype)
+        return grad, None, None, None, None, None
+
+
+def soft_ce_chunked(draft_logits: torch.Tensor, target_logits: torch.Tensor, t2d: torch.Tensor,
+                    valid: torch.Tensor, chunk_size: int = 8192, reduction: str = "valid") -> torch.Tensor:
+    """`soft_ce(draft_logits, target_probs_in_draft_vocab(target_logits, t2d), valid)` computed in
+    draft-vocab chunks, for long sequences: takes the raw target logits [B, T, V] (any dtype) and
+    never builds fp32 [B, T, V] or [B, T, Vd]. The target side is a constant (no gradient)."""
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    cols = draft_columns(t2d).to(target_logits.device)
+    if cols.numel() != draft_logits.shape[-1]:
+        raise ValueError(f"draft logits have {draft_logits.shape[-1]} columns, the draft vocab {cols.numel()}")
+    valid = valid.to(torch.bool)
+    return _ChunkedSoftCE.apply(draft_logits, target_logits.detach(), cols, valid,
+                                _denominator(valid, reduction).to(draft_logits.device), chunk_size)
+
+
+def step_weights(k: int, decay: float = DEFAULT_DECAY) -> list[float]:
+    """Loss weight of each of the k TTT steps: decay^i (later steps are harder and noisier)."""
+    return [decay ** i for i in range(k)]
+
+
+def ttt_loss(step_losses: list[torch.Tensor], decay: float = DEFAULT_DECAY) -> torch.Tensor:
+    """Σ_i decay^i · loss_i over the unrolled steps."""
+    weights = step_weights(len(step_losses), decay)
+    return sum(w * loss for w, loss in zip(weights, step_losses))
+
+
+def soft_ce_step(draft_logits: torch.Tensor, target_logits: torch.Tensor, t2d: torch.Tensor,
+                 loss_mask: torch.Tensor, chunk_size: int | None = None, reduction: str = "valid"):
+    """One TTT step's loss from tensors already aligned to that step (see `shift_left`).
+
+    Returns (loss scalar, valid bool [B, T], target_argmax int64 [B, T]) so the caller can reuse the
+    argmax for `step_accuracy` instead of scanning [B, T, V] twice.
+    """
+    target_argmax = target_logits.argmax(-1)
+    valid = position_valid(loss_mask, target_argmax, t2d)
+    if chunk_size is None:
+        loss = soft_ce(draft_logits, target_probs_in_draft_vocab(target_logits, t2d), valid, reduction)
+    else:
+        loss = soft_ce_chunked(draft_logits, target_logits, t2d, valid, chunk_size, reduction)
+    return loss, valid, target_argmax
+
+
+@torch.no_grad()
+def step_accuracy(draft_logits: torch.Tensor, target_logits: torch.Tensor | None, d2t: torch.Tensor,
+                  loss_mask: torch.Tensor, target_argmax: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-position hits, bool [B, T]: loss mask set and the drafter's argmax, mapped to a target id
+    (`i + d2t[i]`), equals the target's argmax. An argmax outside the draft vocab is a miss — at
+    decode time it is a certain rejection. Pass `target_argmax` to skip the [B, T, V] scan."""
+    if target_argmax is None:
+        target_argmax = target_logits.argmax(-1)
+    draft_ids = draft_logits.argmax(-1)                       # [B, T] in draft ids
+    predicted = draft_ids + d2t.to(draft_ids.device)[draft_ids]
+    return (predicted == target_argmax) & loss_mask.to(torch.bool)
+
+
+def accuracy(hits: torch.Tensor, mask: torch.Tensor) -> float:
+    """Unconditional accuracy of one step: hits / masked positions (0 when nothing is masked)."""
+    total = int(mask.to(torch.bool).sum())
+    return int((hits.to(torch.bool) & mask.to(torch.bool)).sum()) / total if total else 0.0
+
+
+def conditional_hit_counts(hits_list: list[torch.Tensor], mask_list: list[torch.Tensor]):
+    """Numerators and denominators of c_i, int64 [k] each, so batches can be summed before dividing.
+
+    Denominator i: positions masked at step i whose steps 0..i−1 all hit (their chain is still
+    alive); numerator i: those that also hit at step i. Lists are per step, already aligned (step i's
+    mask = `ttt_step_mask(mask, i)`).
+    """
+    if len(hits_list) != len(mask_list):
+        raise ValueError(f"{len(hits_list)} hit tensors but {len(mask_list)} masks")
+    hits_n = torch.zeros(len(hits_list), dtype=torch.long)
+    totals = torch.zeros(len(hits_list), dtype=torch.long)
+    alive = None
+    for i, (hits, mask) in enumerate(zip(hits_list, mask_list)):
+        hit = hits.to(torch.bool) & mask.to(torch.bool)
+        counted = mask.to(torch.bool) if alive is None else mask.to(torch.bool) & alive
+        totals[i] = int(counted.sum())
+        hits_n[i] = int((hit & counted).sum())
+        alive = hit if alive is None else alive & hit
+    return hits_n, totals
+
+
+def accuracies_from_counts(hits: torch.Tensor, totals: torch.Tensor) -> list[float]:
+    """c_i = hits_i / totals_i (0 where no chain reached step i)."""
+    return [h / t if t else 0.0 for h, t in zip(hits.tolist(), totals.tolist())]
+
+
+def conditional_accuracies(hits_list: list[torch.Tensor], mask_list: list[torch.Tensor]) -> list[float]:
+    """c_i: accuracy at step i among positions whose steps 0..i−1 were all right."""
+    return accuracies_from_counts(*conditional_hit_counts(hits_list, mask_list))
+
+
+def simulated_accept_len(c: list[float], depth: int | None = None) -> float:
+    """τ of a depth-k chain from conditional accuracies: 1 + Σ_{i<k} Π_{j≤i} c_j (bonus token included)."""
+    depth = len(c) if depth is None else depth
+    if depth < 0 or depth > len(c):
+        raise DraftportError(f"a depth-{depth} chain needs accuracies for {depth} steps, have {len(c)} "
+                             f"(train with --ttt-steps >= depth)")
+    tau, survive = 1.0, 1.0
+    for i in range(depth):
+        survive *= c[i]
+        tau += survive
+    return tau
