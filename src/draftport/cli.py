@@ -121,6 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=None, help="regeneration: tokens per response")
     p.add_argument("--temperature", type=float, default=0.0, help="regeneration temperature")
     p.add_argument("--restart", action="store_true", help="start over instead of resuming")
+    p.add_argument("--shard-tokens", type=int, default=None, help="tokens per store shard (default: about 256 MiB per shard)")
 
     p = sub.add_parser("train", help="train or fine-tune a drafter (TTT); resumes in the same --out")
     _add_common(p, target=True, data=True, out=True, samples=True, device=True, seed=True, template=True)
@@ -153,6 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target-b", required=True)
     p.add_argument("--drafter", default=None, help="drafter trained for A (plug-in τ on B)")
     p.add_argument("--trust-remote-code", action="store_true")
+    p.add_argument("--depth", type=int, default=3, help="chain depth of the offline τ")
+    p.add_argument("--restart", action="store_true", help="recapture both targets' states instead of reusing them")
     _add_common(p, data=True, out=True, samples=True, device=True, seed=True, template=True)
 
     p = sub.add_parser("export", help="write SGLang / vLLM / speculators layouts")
@@ -160,6 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", required=True, choices=["sglang", "speculators", "vllm"])
     p.add_argument("--out", default=None)
     p.add_argument("--target", default=None, help="target config (decides the aux-id rule per engine)")
+    p.add_argument("--depth", type=int, default=3, help="chain depth for the launch commands and the speculators config")
+    p.add_argument("--include-embedding", action="store_true", default=None,
+                   help="also write the target's embedding (default: speculators format only)")
     p.add_argument("--json", action="store_true")
 
     p = sub.add_parser("study", help="the whole port study → report.md / report.html")
@@ -172,6 +178,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", default="mt-bench")
     p.add_argument("--max-new-tokens", type=int, default=None)
     p.add_argument("--trust-remote-code", action="store_true")
+    p.add_argument("--eval-prompts", type=int, default=8, help="prompts per online eval")
+    p.add_argument("--probe-samples", type=int, default=64, help="conversations the probe compares")
+    p.add_argument("--depth", type=int, default=3, help="chain depth of every eval")
+    p.add_argument("--lr", type=float, default=None, help="training learning rate")
+    p.add_argument("--regenerate", action="store_true", help="target B writes the assistant turns before capture")
+    p.add_argument("--restart", action="store_true", help="start the study over instead of resuming")
     _add_common(p, data=True, out=True, samples=True, device=True, seed=True, template=True)
 
     p = sub.add_parser("demo", help="the embedded default end to end (Gemma-3-270M on CPU)")
