@@ -5,6 +5,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+# One intra-op thread: the tests run tiny models, where a second thread costs more in hand-offs than
+# it gains (measured ~100x on a tiny training loop on this 2-core machine); set before torch loads so
+# subprocesses (torchrun, killed-and-resumed runs) inherit it.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 import pytest
 
 FIXTURES = Path(__file__).parent / "fixtures"

@@ -1,0 +1,387 @@
+"""Decode-path timings on one device: what a cycle costs and what speculation buys.
+
+Sections (each wrapped: a failure is recorded under its name and the rest still run; each checks the
+time budget first and is skipped, with a note, when too little is left):
+    steps        1-token decode step vs verify passes of 4 and 8 tokens (k+1 = 4 and 8), through the
+                 engine's static cache (CUDA-graphed on cuda), with and without the aux-state capture
+                 that speculation needs; a drafter step and the drafter's re-read (extend); the HBM
+                 roofline of a target step (weight bytes / --hbm-bytes-per-s, default 4.8e12 B/s)
+    hf_generate  HF `generate` tok/s: dynamic cache, static cache (HF's own path), and with --hf-compile
+                 the forward under torch.compile(mode="reduce-overhead") with a static cache
+    engine       our no-speculation engine tok/s (the baseline speculation must beat)
+    eval_*       `draftport eval` runs (chain and tree, MT-bench and HumanEval): τ, tok/s both ways,
+                 predicted vs measured tok/s (economics on isolated step times + offline τ), bf16 greedy
+                 match rate — needs --drafter and a target with a tokenizer
+    llama8b      (--llama8b) a Llama-3.1-8B-shaped target with random bf16 weights built on the GPU, and a
+                 random drafter of its shape: steps, roofline, engine and chain tok/s — timing only
+
+Prints one JSON line and writes it to --out. Example (the lead's H200 run):
+    python benchmarks/bench_decode.py --target gemma-3-270m --drafter runs/train/final --device cuda \\
+        --dtype bf16 --prompts-n 20 --max-new-tokens 256 --llama8b --budget-s 540 --out bench.json
+`--target random:gemma-3-270m` (or random:llama-3.1-8b) builds that shape with random weights and no
+tokenizer: timings only, on random prompt ids.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+
+import torch
+
+from draftport.evaluate import EvalConfig, decode_rate, hf_generate_rate, load_drafter_for, run_eval, time_call
+
+HBM_BYTES_PER_S = 4.8e12  # H200 HBM3e peak
+SHAPES = {
+    # Gemma-3-270M: 18 layers, hidden 640, 4 heads / 1 kv head of 256, vocab 262144, 5 sliding (512) to 1 full
+    "gemma-3-270m": dict(family="gemma3", vocab_size=262144, hidden_size=640, intermediate_size=2048,
+                         num_hidden_layers=18, num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+                         sliding_window=512, query_pre_attn_scalar=256, max_position_embeddings=32768,
+                         tie_word_embeddings=True, final_logit_softcapping=None),
+    # Llama-3.1-8B: 32 layers, hidden 4096, 32 heads / 8 kv heads of 128, vocab 128256, untied head
+    "llama-3.1-8b": dict(family="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                         num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                         max_position_embeddings=131072, rope_theta=500000.0, tie_word_embeddings=False),
+}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--target", default="gemma-3-270m", help="HF dir, .gguf, gemma-3-270m, or random:<shape>")
+    p.add_argument("--drafter", default=None, help="drafter dir (chain/tree sections need it)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default=None, help="bf16 | fp32 (default bf16 on cuda, fp32 on cpu)")
+    p.add_argument("--prompts-n", type=int, default=10, help="prompts per eval run")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--depth", type=int, default=3, help="chain depth k")
+    p.add_argument("--tree-topk", type=int, default=4)
+    p.add_argument("--tree-depth", type=int, default=5)
+    p.add_argument("--tree-tokens", type=int, default=8)
+    p.add_argument("--repeats", type=int, default=50, help="calls per isolated timing (median)")
+    p.add_argument("--budget-s", type=float, default=540.0, help="total wall-clock budget; later sections skip")
+    p.add_argument("--hbm-bytes-per-s", type=float, default=HBM_BYTES_PER_S)
+    p.add_argument("--hf-compile", action="store_true", help="also time HF generate with torch.compile")
+    p.add_argument("--llama8b", action="store_true", help="also time a random Llama-3.1-8B-shaped target")
+    p.add_argument("--datasets", default="mt-bench,humaneval")
+    p.add_argument("--work-dir", default=None, help="where eval runs write (default: a temp dir)")
+    p.add_argument("--out", default=None, help="JSON file to write the result line to")
+    return p.parse_args(argv)
+
+
+class Budget:
+    """Runs sections in order, each guarded: errors are recorded, and nothing starts past the budget."""
+
+    def __init__(self, seconds: float):
+        self.t0, self.seconds = time.perf_counter(), seconds
+        self.result: dict = {}
+
+    def left(self) -> float:
+        return self.seconds - (time.perf_counter() - self.t0)
+
+    def run(self, name: str, fn, *args, need_s: float = 5.0, **kw):
+        """fn's result (a dict of figures is recorded under `name`; other results only timed)."""
+        if self.left() < need_s:
+            self.result[name] = {"skipped": f"time budget ({self.left():.0f} s left, needs ~{need_s:.0f} s)"}
+            return None
+        t = time.perf_counter()
+        try:
+            out = fn(*args, **kw)
+            figures = out if isinstance(out, dict) else {}
+            self.result[name] = dict(figures, seconds=round(time.perf_counter() - t, 2))
+            return out
+        except Exception as exc:  # one failing section must not lose the others
+            self.result[name] = {"error": f"{type(exc).__name__}: {exc}"[:500],
+                                 "trace": traceback.format_exc(limit=4)[-1500:], "seconds": round(time.perf_counter() - t, 2)}
+            return None
+        finally:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+
+
+# ---------------------------------------------------------------------------------------------
+# Targets and drafters
+# ---------------------------------------------------------------------------------------------
+
+def build_random_target(shape: str, device: str, dtype: torch.dtype):
+    """An HF model of a known shape with random weights, built directly on the device (no host copy)."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
+
+    from draftport.target import HFTarget
+
+    if shape not in SHAPES:
+        raise SystemExit(f"unknown random shape {shape!r}; known: {', '.join(SHAPES)}")
+    kw = dict(SHAPES[shape])
+    family = kw.pop("family")
+    if family == "gemma3":
+        n = kw["num_hidden_layers"]
+        kw["layer_types"] = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(n)]
+        cfg, cls = Gemma3TextConfig(**kw), Gemma3ForCausalLM
+    else:
+        cfg, cls = LlamaConfig(**kw), LlamaForCausalLM
+    cfg.architectures = [cls.__name__]
+    cfg._attn_implementation = "sdpa"
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = cls(cfg)
+    finally:
+        torch.set_default_dtype(old)
+    return HFTarget(model.eval(), None, source=f"random:{shape}")
+
+
+def build_random_drafter(target, device: str, dtype: torch.dtype, draft_vocab: int = 32000):
+    """A random EAGLE-3 drafter of the target's shape (timing only: its τ is ~1)."""
+    from draftport.drafter import Eagle3Drafter
+
+    H = target.hidden_size
+    text = target.model.config.get_text_config()
+    heads = text.num_attention_heads
+    cfg = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": H,
+           "intermediate_size": getattr(text, "intermediate_size", 4 * H), "num_attention_heads": heads,
+           "num_key_value_heads": text.num_key_value_heads, "head_dim": getattr(text, "head_dim", H // heads),
+           "num_hidden_layers": 1, "vocab_size": target.vocab_size,
+           "draft_vocab_size": min(draft_vocab, target.vocab_size), "rms_norm_eps": 1e-6,
+           "rope_theta": 10000.0, "max_position_embeddings": 8192, "torch_dtype": "bfloat16",
+           "draftport": {"trained_layers": list(target.aux_layers)}}
+    d = Eagle3Drafter.from_config(cfg, seed=0, device=device, dtype=dtype)
+    d.set_embedding(target.embed_weight)
+    return d.eval()
+
+
+def weight_bytes(model) -> int:
+    """Bytes a decode step must read: every distinct parameter storage once (tied weights once)."""
+    seen, total = set(), 0
+    for p in model.parameters():
+        key = (p.untyped_storage().data_ptr(), p.storage_offset(), tuple(p.shape))
+        if key not in seen:
+            seen.add(key)
+            total += p.numel() * p.element_size()
+    return total
+
+
+def random_prompts(target, n: int, length: int = 128, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(10, target.vocab_size, (length,), generator=g).tolist() for _ in range(n)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Sections
+# ---------------------------------------------------------------------------------------------
+
+def engines(target, drafter, args, depth: int, max_len: int = 1024):
+    from draftport.engine import EngineConfig, SpecEngine
+
+    base = SpecEngine(target, None, EngineConfig(max_len=max_len))
+    spec = SpecEngine(target, drafter, EngineConfig(depth=depth, max_len=max_len)) if drafter is not None else None
+    return base, spec
+
+
+def section_steps(target, drafter, args, hbm: float) -> dict:
+    """Target passes of 1 / 4 / 8 tokens (aux capture off and on), drafter step and extend; roofline."""
+    base, spec = engines(target, drafter, args, depth=args.depth)
+    dev, S = base.device, base.S
+    n = torch.tensor(256, dtype=torch.long, device=dev)
+    ar = torch.arange(S, device=dev)
+    out = {"weight_bytes": weight_bytes(target.model)}
+    out["hbm_floor_ms"] = 1000.0 * out["weight_bytes"] / hbm
+    for T in (1, 4, 8):
+        ids = torch.zeros(T, dtype=torch.long, device=dev)
+        tril = torch.ones(T, T, dtype=torch.bool, device=dev).tril()
+        out[f"target_{T}_ms"] = time_call(lambda: base.target_pass(ids, n, ar[:T], tril), dev, args.repeats)
+        if spec is not None:
+            out[f"target_{T}_aux_ms"] = time_call(lambda: spec.target_pass(ids, n, ar[:T], tril), dev, args.repeats)
+    step = out["target_1_ms"]
+    out["decode_step_ms"] = step
+    out["step_over_hbm_floor"] = step / out["hbm_floor_ms"]
+    for T in (4, 8):
+        out[f"verify{T}_over_step"] = out[f"target_{T}_ms"] / step
+        if spec is not None:
+            out[f"verify{T}_aux_over_step"] = out[f"target_{T}_aux_ms"] / step
+    if spec is not None:
+        H = drafter.spec.hidden_size
+        hid = torch.zeros(1, H, dtype=drafter.fc.weight.dtype, device=dev)
+        one = torch.zeros(1, dtype=torch.long, device=dev)
+        p = torch.full((1,), 256, dtype=torch.long, device=dev)
+        out["draft_step_ms"] = time_call(lambda: spec.drafter_step(hid, one, p, p, ar[None, :] <= p[:, None]),
+                                         dev, args.repeats)
+        aux = torch.zeros(args.depth + 1, drafter.spec.num_aux_layers * drafter.spec.target_hidden_size,
+                          dtype=spec.dtype, device=dev)
+        ext = torch.zeros(args.depth + 1, dtype=torch.long, device=dev)
+        out["extend_ms"] = time_call(lambda: spec.drafter_extend(aux, ext, n), dev, args.repeats)
+    out["cuda_graphs"] = base.use_graphs
+    return out
+
+
+def engine_rate(engine, prompts, n_new: int, stop_ids=()) -> dict:
+    """Decode tok/s of an engine over prompts (warm-up on the first excluded) and its τ."""
+    engine.generate(prompts[0], min(n_new, 16), list(stop_ids))
+    tok = secs = 0.0
+    lens = []
+    for p in prompts:
+        r = engine.generate(p, n_new, list(stop_ids))
+        tok += len(r.token_ids) - 1
+        secs += r.timings.total_s - r.timings.prefill_s
+        lens += r.accept_lens
+    return {"tok_s": decode_rate(int(tok), secs), "accept_len": sum(lens) / len(lens) if lens else None,
+            "new_tokens": int(tok) + len(prompts)}
+
+
+def section_engine(target, drafter, prompts, args, stop_ids=()) -> dict:
+    from draftport.engine import EngineConfig, SpecEngine
+
+    max_len = max(len(p) for p in prompts) + args.max_new_tokens + 64
+    out = {"plain": engine_rate(SpecEngine(target, None, EngineConfig(max_len=max_len)), prompts,
+                                args.max_new_tokens, stop_ids)}
+    if drafter is not None:
+        for name, ec in (("chain", EngineConfig(depth=args.depth, max_len=max_len)),
+                         ("tree", EngineConfig(depth=args.tree_depth, topk=args.tree_topk,
+                                               num_draft_tokens=args.tree_tokens, max_len=max_len))):
+            out[name] = engine_rate(SpecEngine(target, drafter, ec), prompts, args.max_new_tokens, stop_ids)
+    return out
+
+
+def section_hf(target, prompts, args, stop_ids=()) -> dict:
+    out = {}
+    variants = [("dynamic", None), ("static", {"cache_implementation": "static"})]
+    for name, extra in variants:
+        hf_generate_rate(target, prompts[0], 4, list(stop_ids), 0.0, 1.0, 0, extra)  # warm-up
+        rates = [hf_generate_rate(target, p, args.max_new_tokens, list(stop_ids), 0.0, 1.0, 0, extra)[0]
+                 for p in prompts[: max(1, min(3, len(prompts)))]]
+        rates = [r for r in rates if r]
+        out[f"{name}_tok_s"] = statistics.mean(rates) if rates else None
+    if args.hf_compile:
+        # "reduce-overhead" (CUDA graphs) breaks here: generate reads a step's logits after the next replay
+        # overwrote them; the default mode compiles the kernels without graphs.
+        model = target.model
+        original = model.forward
+        try:
+            model.forward = torch.compile(original, fullgraph=False)
+            extra = {"cache_implementation": "static"}
+            for _ in range(2):  # compilation, then its first real run
+                hf_generate_rate(target, prompts[0], 8, list(stop_ids), 0.0, 1.0, 0, extra)
+            out["static_compiled_tok_s"] = hf_generate_rate(target, prompts[0], args.max_new_tokens, list(stop_ids),
+                                                            0.0, 1.0, 0, extra)[0]
+        except Exception as exc:  # keep the dynamic / static figures above
+            out["static_compiled_error"] = f"{type(exc).__name__}: {exc}"[:300]
+        finally:
+            model.forward = original  # the engine must drive the plain forward
+    return out
+
+
+EVAL_KEYS = ("accept_len", "tok_s", "baseline_tok_s", "speedup", "predicted_tok_s", "predicted_rel_err",
+             "predicted_tok_s_at_online_tau", "offline_accept_len", "offline_rel_err", "match_rate",
+             "exact_match_prompts", "per_position_accept", "draft_ms", "verify_ms", "overhead_ms", "cycle_ms",
+             "isolated_ms", "cycles", "num_prompts")
+
+
+def section_eval(target, drafter, dataset: str, mode: str, args, work: str) -> dict:
+    tree = mode == "tree"
+    cfg = EvalConfig(target=args.target, drafter=args.drafter, prompts=dataset, max_samples=args.prompts_n,
+                     max_new_tokens=args.max_new_tokens, depth=args.tree_depth if tree else args.depth,
+                     topk=args.tree_topk if tree else 1, num_draft_tokens=args.tree_tokens if tree else None,
+                     device=args.device, dtype=args.dtype, out=os.path.join(work, f"eval-{dataset}-{mode}"),
+                     no_hf_baseline=True, timing_repeats=args.repeats)
+    s = run_eval(cfg, target=target, drafter=drafter)
+    return {k: s.get(k) for k in EVAL_KEYS}
+
+
+def section_llama8b(args) -> dict:
+    dtype = torch.bfloat16
+    target = build_random_target("llama-3.1-8b", args.device, dtype)
+    try:
+        drafter = build_random_drafter(target, args.device, dtype)
+        out = {"steps": section_steps(target, drafter, args, args.hbm_bytes_per_s)}
+        prompts = random_prompts(target, 2)
+        out["engine"] = section_engine(target, drafter, prompts, argparse.Namespace(**{**vars(args),
+                                                                                        "max_new_tokens": 64}))
+        out["hf_dynamic_tok_s"] = hf_generate_rate(target, prompts[0], 32, [], 0.0, 1.0, 0)[0]
+        out["note"] = "random weights: timings only (τ ≈ 1 with a random drafter)"
+        return out
+    finally:
+        del target
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def machine_info(args) -> dict:
+    import transformers
+
+    info = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
+            "device": args.device, "host": platform.node()}
+    if args.device == "cuda" and torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    try:
+        root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+        info["commit"] = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True,
+                                        text=True, timeout=5).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        info["commit"] = None
+    return info
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    budget = Budget(args.budget_s)
+    result = {"bench": "decode", "args": vars(args), "machine": machine_info(args)}
+    from draftport.target import load_target, resolve_device, resolve_dtype
+
+    dev = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, dev)
+    args.dtype = "bf16" if dtype == torch.bfloat16 else "fp32"
+    if args.target.startswith("random:"):
+        target = budget.run("load_target", build_random_target, args.target[len("random:"):], str(dev), dtype)
+    else:
+        target = budget.run("load_target", load_target, args.target, device=dev, dtype=dtype)
+    drafter = None
+    if target is not None:
+        if args.drafter:
+            drafter = budget.run("load_drafter", load_drafter_for, args.drafter, target)
+        elif args.target.startswith("random:"):
+            drafter = budget.run("load_drafter", build_random_drafter, target, str(dev), dtype)
+        stop_ids: list[int] = []
+        if target.tokenizer is not None:
+            from draftport.data import load_prompts, stop_token_ids
+            from draftport.evaluate import encode_prompts
+
+            prompts = encode_prompts(target, load_prompts("mt-bench", max_samples=args.prompts_n), None, None)
+            stop_ids = stop_token_ids(target.tokenizer, None, target.eos_token_ids)
+        else:
+            prompts = random_prompts(target, args.prompts_n)
+        budget.run("steps", section_steps, target, drafter, args, args.hbm_bytes_per_s)
+        budget.run("engine", section_engine, target, drafter, prompts, args, stop_ids, need_s=30)
+        if drafter is not None and target.tokenizer is not None:
+            work = args.work_dir or tempfile.mkdtemp(prefix="bench-decode-")
+            for dataset in [d for d in args.datasets.split(",") if d]:
+                for mode in ("chain", "tree"):
+                    budget.run(f"eval_{dataset}_{mode}", section_eval, target, drafter, dataset, mode, args, work,
+                               need_s=60)
+        budget.run("hf_generate", section_hf, target, prompts, args, stop_ids, need_s=60)
+        del target, drafter
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    if args.llama8b:
+        budget.run("llama8b", section_llama8b, args, need_s=120)
+    result.update(budget.result)
+    result["total_s"] = round(time.perf_counter() - budget.t0, 1)
+    line = json.dumps(result, default=str)
+    print(line)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(line + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
