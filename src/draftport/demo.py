@@ -45,13 +45,13 @@ class DemoConfig:
     data: str = "sharegpt"             # training conversations
     prompts: str = "mt-bench"          # eval prompts
     chat_template: str | None = None   # None: the tokenizer's own, else plain (Gemma-3-270M is a base model)
-    samples: int = 32                  # conversations captured (first turns, before regeneration)
+    samples: int = 48                  # conversations captured (first turns, before regeneration)
     max_question_chars: int = 200      # keep conversations whose first question is at most this long
     max_len: int = 160                 # tokens per captured sample
     regenerate: bool = True            # the target writes the assistant turns first
     regen_new_tokens: int = 64         # tokens per regenerated answer
     batch_size: int = 8                # capture / regeneration batch
-    steps: int = 60                    # drafter training steps (the CPU budget: each step runs the 262k head)
+    steps: int = 150                   # drafter training steps (the CPU budget: each step runs the 262k head)
     train_batch_size: int = 4          # sequences per training step
     ttt_steps: int = 3                 # training-time-test unroll (= the eval chain depth)
     draft_vocab_size: int = 8192       # draft vocab (the 262k Gemma vocab, cut to its most used tokens)

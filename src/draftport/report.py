@@ -84,8 +84,8 @@ def _data_uri(png_path: str) -> str:
 _CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;color:#1b1b1b}
 h1{font-size:1.7em}h2{margin-top:1.6em;border-bottom:1px solid #ddd;padding-bottom:.2em}
-table{border-collapse:collapse;margin:.6em 0 1.2em}th,td{border:1px solid #ccc;padding:.3em .6em;text-align:right}
-th{background:#f3f3f3}td:first-child,th:first-child{text-align:left}
+table{border-collapse:collapse;margin:.6em 0 1.2em}th,td{border:1px solid #ccc;padding:.3em .6em;text-align:left;vertical-align:top}td.num{text-align:right}
+th{background:#f3f3f3}
 figure{margin:1em 0}img{max-width:100%;border:1px solid #eee}figcaption{color:#555;font-size:.9em}
 .summary{background:#f6f8fa;border-left:4px solid #2f6feb;padding:.6em 1em}
 """
@@ -107,7 +107,9 @@ def render_html(report: Report, base_dir: str) -> str:
                 out.append(f"<caption>{esc(t.caption)}</caption>")
             out.append("<tr>" + "".join(f"<th>{esc(c)}</th>" for c in t.columns) + "</tr>")
             for row in t.rows:
-                out.append("<tr>" + "".join(f"<td>{esc(_cell(c, t.float_format))}</td>" for c in row) + "</tr>")
+                out.append("<tr>" + "".join(
+                    ('<td class="num">' if isinstance(c, (int, float)) else "<td>") + esc(_cell(c, t.float_format)) + "</td>"
+                    for c in row) + "</tr>")
             out.append("</table>")
         for im in sec.images:
             path = im.path if os.path.isabs(im.path) else os.path.join(base_dir, im.path)

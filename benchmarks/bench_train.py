@@ -1,0 +1,108 @@
+"""Training-step throughput of draftport's TTT trainer (train.TTTModel), for the side-by-side with
+SpecForge's own step (../shared/anchors/specforge_train_step.py) on the same GPU.
+
+Same setup as the anchor: Llama-3.1-8B-shaped drafter (H 4096, 32/8 heads, intermediate 14336,
+vocab 128256, draft vocab 32000), TTT 7, batch 1 × T tokens, random aux states and random full-vocab
+target logits (bf16) given per step; the step includes what the anchor's step includes: restricting the
+target logits to the draft vocab + their argmax, the 7-step unroll, backward and the optimizer.
+Model FLOPs per token as the anchor counts them: 6 × (7 × (decoder layer + lm_head) + fc).
+
+Usage: python benchmarks/bench_train.py [--T 2048] [--steps 8] [--shape 8b|tiny] [--checkpointing]
+Prints one line `RESULT {json}`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from draftport.drafter import Eagle3Drafter
+from draftport.losses import position_valid, shift_left
+from draftport.train import TTTModel
+
+SHAPES = {
+    "8b": dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+               vocab_size=128256, draft_vocab_size=32000, rope_theta=500000.0, rms_norm_eps=1e-5),
+    "tiny": dict(hidden_size=256, intermediate_size=704, num_attention_heads=4, num_key_value_heads=2,
+                 vocab_size=4096, draft_vocab_size=1024, rope_theta=10000.0, rms_norm_eps=1e-6),
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--T", type=int, default=2048)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--shape", default="8b", choices=sorted(SHAPES))
+    ap.add_argument("--ttt", type=int, default=7)
+    ap.add_argument("--loss-chunk", type=int, default=8192)
+    ap.add_argument("--checkpointing", action="store_true")
+    args = ap.parse_args()
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    s = SHAPES[args.shape]
+    cfg = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "num_hidden_layers": 1,
+           "max_position_embeddings": args.T + 64, "hidden_act": "silu", "tie_word_embeddings": False, **s}
+    drafter = Eagle3Drafter.from_config(cfg, seed=0, device=dev, dtype=dt)
+    V, Vd, H = s["vocab_size"], s["draft_vocab_size"], s["hidden_size"]
+    g = torch.Generator(device=dev).manual_seed(0)
+    used = torch.randperm(V, generator=g, device=dev)[:Vd].sort().values
+    t2d = torch.zeros(V, dtype=torch.bool, device=dev)
+    t2d[used] = True
+    drafter.set_vocab_mapping(used - torch.arange(Vd, device=dev), t2d)
+    drafter.set_embedding(torch.randn(V, H, device=dev, dtype=dt, generator=g) * 0.02)
+    if args.checkpointing:
+        from draftport.train import enable_activation_checkpointing
+
+        enable_activation_checkpointing(drafter)
+    model = TTTModel(drafter, args.ttt, args.loss_chunk)
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-4, fused=dev.type == "cuda")
+    T, k = args.T, args.ttt
+    ids = torch.randint(0, V, (1, T), device=dev, generator=g)
+    mask = torch.ones(1, T, dtype=torch.bool, device=dev)
+    aux = torch.randn(1, T, 3 * H, device=dev, dtype=dt, generator=g)
+    target_full = torch.randn(1, T, V, device=dev, dtype=dt, generator=g) * 3
+
+    def step() -> float:
+        # the target side of the step, as SpecForge's: draft-column logits and the full-vocab argmax
+        argmax = target_full.argmax(-1)
+        tl = torch.nn.functional.pad(target_full.index_select(-1, used), (0, 0, 0, k))
+        counts = torch.stack([position_valid(shift_left(mask, i), shift_left(argmax, i), t2d).sum()
+                              for i in range(k)]).float()
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
+            loss, _, _, _ = model(aux, ids, mask, tl, argmax, counts)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 0.5)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    times = []
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    for i in range(args.steps):
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        loss = step()
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+        print(f"step {i} {times[-1] * 1e3:.1f} ms loss {float(loss):.3f}", flush=True)
+    steady = sorted(times[3:])[len(times[3:]) // 2] if len(times) > 3 else min(times)
+    mid = sum(p.numel() for n, p in drafter.named_parameters() if n.startswith("midlayer"))
+    flops_tok = 6 * (k * (mid + drafter.lm_head.weight.numel()) + drafter.fc.weight.numel())
+    tok_s = T / steady
+    res = {"tool": "draftport TTTModel", "shape": args.shape, "T": T, "ttt": k, "checkpointing": args.checkpointing,
+           "step_ms_median": round(steady * 1e3, 1), "tok_s": round(tok_s), "model_GFLOP_per_tok": round(flops_tok / 1e9, 2),
+           "MFU_vs_790TFLOPs": round(tok_s * flops_tok / 790e12, 3),
+           "peak_mem_GB": round(torch.cuda.max_memory_allocated() / 1e9, 1) if dev.type == "cuda" else None,
+           "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"}
+    print("RESULT", json.dumps(res), flush=True)
+
+
+if __name__ == "__main__":
+    main()
