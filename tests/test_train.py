@@ -1,0 +1,239 @@
+"""draftport train: TTT learns on a tiny target, checkpoints load in SGLang layout, killed-and-resumed
+== uninterrupted (bitwise, CPU), 2 gloo ranks == 1 process, warm starts keep the vocab mapping."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+from rich.console import Console
+from safetensors.torch import load_file
+
+from draftport import cli
+from draftport.capture import CaptureConfig, run_capture
+from draftport.errors import DraftportError
+from draftport.train import TrainConfig, lr_at, run_train
+
+QUIET = Console(stderr=True, quiet=True)
+PHRASE = "the robot paints a quiet town by the sea every morning".split()
+TARGET = "tiny-gemma3"  # its sliding window makes its next token learnable from a few dozen samples
+
+
+def write_cyclic(path, n: int, seed: int = 0) -> str:
+    """n conversations whose answers cycle through one phrase from a random offset."""
+    rng = np.random.default_rng(seed)
+    with open(path, "w") as f:
+        for i in range(n):
+            off = int(rng.integers(len(PHRASE)))
+            words = [PHRASE[(off + j) % len(PHRASE)] for j in range(int(rng.integers(20, 40)))]
+            msgs = [{"role": "user", "content": " ".join(rng.choice(PHRASE, 3))},
+                    {"role": "assistant", "content": " ".join(words)}]
+            f.write(json.dumps({"id": str(i), "messages": msgs}) + "\n")
+    return str(path)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Two shared cores: torch's second OpenMP thread only spins (a tiny step goes from 10 ms to 1 s)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    d = tmp_path_factory.mktemp("train")
+    data = write_cyclic(d / "cyc.jsonl", 80)
+    run_capture(CaptureConfig(target=TARGET, data=data, out=str(d / "store")), console=QUIET)
+    return str(d / "store")
+
+
+def _cfg(store, out, **kw) -> TrainConfig:
+    base = dict(target=TARGET, data=store, out=str(out), batch_size=8, ttt_steps=4, steps=4, lr=5e-3, device="cpu")
+    return TrainConfig(**{**base, **kw})
+
+
+def test_lr_schedule_warmup_then_cosine_to_ten_percent():
+    lrs = [lr_at(s, 100, 1.0, 10) for s in range(100)]
+    assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0) and lrs[10] == pytest.approx(1.0)
+    assert all(a >= b for a, b in zip(lrs[9:], lrs[10:])) and lr_at(100, 100, 1.0, 10) == pytest.approx(0.1)
+
+
+def test_capture_then_train_lowers_loss_and_raises_tau(store, tmp_path):
+    s = run_train(_cfg(store, tmp_path / "run", steps=60, val_fraction=0.2), console=QUIET)
+    fresh = s["initial_val"]
+    assert s["val_loss"] < fresh["val_loss"] - 2.0
+    assert s["val_accept_len"] >= fresh["val_accept_len"] + 0.5, (fresh, s)
+    assert s["num_val"] >= 10 and s["mode"] == "offline" and s["steps"] == 60
+    # metrics.jsonl: the fresh validation at step 0, then one object per step
+    recs = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    assert [r["step"] for r in recs] == list(range(61)) and "val_accept_len" in recs[0]
+    assert os.listdir(tmp_path / "run" / "tb")
+
+    # the final checkpoint is an SGLang directory: its weights are the trained ones (bf16), its config
+    # records the layers and the target; the resume state sits in resume/ only
+    from draftport.drafter import Eagle3Drafter
+
+    final = s["final_drafter"]
+    assert sorted(os.listdir(final)) == ["config.json", "model.safetensors", "resume"]
+    cfg = json.load(open(os.path.join(final, "config.json")))
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert cfg["draftport"]["trained_layers"] == [2, 4, 5] and cfg["draftport"]["target_architecture"] == "Gemma3ForCausalLM"
+    loaded = Eagle3Drafter.from_pretrained(final)
+    master = load_file(os.path.join(final, "resume", "state.safetensors"))
+    for name, t in loaded.state_dict().items():
+        if name != "embed_tokens.weight":
+            assert torch.equal(t, master[f"model.drafter.{name}"].to(t.dtype)), name
+    assert int(loaded.t2d.sum()) == 512 and loaded.load_report.missing == []
+
+
+def test_online_mode_matches_offline_store(store, tmp_path):
+    """Conversations with the target in the loop give the same run as its capture store (which keeps
+    the hidden states in bf16, hence the tolerance)."""
+    data = os.path.join(os.path.dirname(store), "cyc.jsonl")
+    on = run_train(_cfg(data, tmp_path / "online", steps=2), console=QUIET)
+    off = run_train(_cfg(store, tmp_path / "offline", steps=2), console=QUIET)
+    assert on["mode"] == "online" and off["mode"] == "offline"
+    assert on["num_train"] == off["num_train"]
+    assert on["initial_val"]["val_loss"] == pytest.approx(off["initial_val"]["val_loss"], rel=1e-3)
+    assert on["final_loss"] == pytest.approx(off["final_loss"], rel=2e-2)
+
+
+def test_rerun_resumes_refuses_other_flags_and_restart_starts_over(store, tmp_path, capsys):
+    out = tmp_path / "run"
+    first = run_train(_cfg(store, out, steps=3, save_every=2), console=QUIET)
+    assert first["resumed_from_step"] == 0
+    again = run_train(_cfg(store, out, steps=3, save_every=2), console=QUIET)  # finished: nothing to do
+    assert again["resumed_from_step"] == 3 and again["final_loss"] == first["final_loss"]
+    with pytest.raises(DraftportError, match="other settings .*lr") as exc:
+        run_train(_cfg(store, out, steps=3, lr=1e-3), console=QUIET)
+    assert "\n" not in str(exc.value) and "--restart" in str(exc.value)
+    rc = cli.main(["train", "--target", TARGET, "--data", store, "--out", str(out), "--steps", "3",
+                   "--batch-size", "8", "--ttt-steps", "4", "--lr", "0.001", "--device", "cpu", "--restart", "--json"])
+    got = json.loads(capsys.readouterr().out)
+    assert rc == 0 and got["resumed_from_step"] == 0 and got["steps"] == 3
+
+
+def test_store_layers_must_match_the_drafter(store, tmp_path):
+    with pytest.raises(DraftportError, match=r"aux layers \[2, 4, 5\] but the drafter is fed \[1, 3, 5\]"):
+        run_train(_cfg(store, tmp_path / "run", aux_layers=[1, 3, 5]), console=QUIET)
+
+
+def _sglang_drafter(tmp_path, store, seed=3):
+    """An SGLang-layout drafter for the tiny target with a non-trivial vocab mapping (Vd = 64)."""
+    from draftport.drafter import Eagle3Drafter
+    from draftport.target import tiny_target
+    from draftport.train import drafter_config
+
+    tg = tiny_target("gemma3")
+    d = Eagle3Drafter.from_config(drafter_config(tg, [2, 4, 5], tg.vocab_size, 64), seed=seed)
+    used = torch.sort(torch.randperm(tg.vocab_size, generator=torch.Generator().manual_seed(seed))[:64]).values
+    t2d = torch.zeros(tg.vocab_size, dtype=torch.bool)
+    t2d[used] = True
+    d.set_vocab_mapping(used - torch.arange(64), t2d)
+    d.save_pretrained(tmp_path / "init", format="sglang", target=tg.spec, layers=[2, 4, 5])
+    return str(tmp_path / "init"), d
+
+
+def test_warm_start_keeps_vocab_mapping_and_lm_head_rows(store, tmp_path):
+    init, d0 = _sglang_drafter(tmp_path, store)
+    s = run_train(_cfg(store, tmp_path / "ft", init_from=init, steps=2, lr=1e-4), console=QUIET)
+    assert s["vocab"]["vocab"].startswith("kept") and s["draft_vocab_size"] == 64
+    w = load_file(os.path.join(s["final_drafter"], "resume", "state.safetensors"))
+    assert torch.equal(w["model.drafter.d2t"], d0.d2t) and torch.equal(w["model.drafter.t2d"], d0.t2d)
+    old = d0.lm_head.weight.detach()
+    new = w["model.drafter.lm_head.weight"]
+    assert (new - old).abs().max() < 2 * 2 * 1e-4  # two Adam steps of lr 1e-4 move no weight further
+    # each row stayed with its token: row i is nearest to its own old row
+    assert torch.equal(torch.cdist(new, old).argmin(1), torch.arange(64))
+
+    # a new mapping only on request, and then each kept token keeps its row
+    with pytest.raises(DraftportError, match="--remap-vocab"):
+        run_train(_cfg(store, tmp_path / "bad", init_from=init, draft_vocab_size=128), console=QUIET)
+    r = run_train(_cfg(store, tmp_path / "remap", init_from=init, remap_vocab=True, draft_vocab_size=128,
+                       steps=1, lr=1e-6), console=QUIET)
+    w = load_file(os.path.join(r["final_drafter"], "resume", "state.safetensors"))
+    used_new = torch.arange(128) + w["model.drafter.d2t"]
+    used_old = torch.arange(64) + d0.d2t
+    for row_old, tok in enumerate(used_old.tolist()):
+        hit = (used_new == tok).nonzero()
+        if len(hit):
+            torch.testing.assert_close(w["model.drafter.lm_head.weight"][hit[0, 0]], old[row_old], atol=1e-5, rtol=0)
+    assert r["vocab"]["vocab"].startswith("new mapping")
+
+
+# ---------------------------------------------------------------------------------------------
+# subprocess runs: the CLI, SIGKILL + rerun, torchrun
+
+
+def _train_cmd(store, out, *extra):
+    return [sys.executable, "-m", "draftport", "train", "--target", TARGET, "--data", store, "--out", str(out),
+            "--steps", "8", "--batch-size", "4", "--ttt-steps", "3", "--lr", "0.005", "--device", "cpu",
+            "--save-every", "2", *extra]
+
+
+def _env(**kw):
+    return dict(os.environ, OMP_NUM_THREADS="1", **kw)
+
+
+@pytest.mark.slow
+def test_sigkill_mid_run_then_rerun_equals_uninterrupted(store, tmp_path):
+    ref = subprocess.run(_train_cmd(store, tmp_path / "ref"), env=_env(), capture_output=True, text=True, timeout=600)
+    assert ref.returncode == 0, ref.stderr[-2000:]
+    out = tmp_path / "killed"
+    proc = subprocess.Popen(_train_cmd(store, out), env=_env(DRAFTPORT_TEST_SLOW_STEP_S="1.0"),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    first = out / "checkpoints" / "step-00000004"
+    deadline = time.time() + 300
+    while not first.exists() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert first.exists() and not (out / "checkpoints" / "step-00000008").exists()
+    again = subprocess.run(_train_cmd(store, out, "--json"), env=_env(), capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert json.loads(again.stdout)["resumed_from_step"] in (4, 6)
+    a = load_file(str(tmp_path / "ref/checkpoints/step-00000008/resume/state.safetensors"))
+    b = load_file(str(out / "checkpoints/step-00000008/resume/state.safetensors"))
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k  # model, optimizer moments and RNG, bitwise
+    la = [json.loads(x) for x in open(tmp_path / "ref/metrics.jsonl")]
+    lb = [json.loads(x) for x in open(out / "metrics.jsonl")]
+    assert la == lb or [r["step"] for r in la] == [r["step"] for r in lb]
+    assert [r["loss"] for r in la[1:]] == [r["loss"] for r in lb[1:]]
+    assert sorted(os.listdir(out / "checkpoints")) == ["step-00000004", "step-00000006", "step-00000008"]
+
+
+@pytest.mark.slow
+def test_torchrun_two_gloo_ranks_equal_one_process(store, tmp_path):
+    one = subprocess.run(_train_cmd(store, tmp_path / "one", "--steps", "3"), env=_env(), capture_output=True,
+                         text=True, timeout=600)
+    assert one.returncode == 0, one.stderr[-2000:]
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                          "-m", *_train_cmd(store, tmp_path / "two", "--steps", "3")[2:]],
+                         env=_env(), capture_output=True, text=True, timeout=600)
+    assert two.returncode == 0, two.stderr[-3000:]
+    ma = [json.loads(x) for x in open(tmp_path / "one/metrics.jsonl")]
+    mb = [json.loads(x) for x in open(tmp_path / "two/metrics.jsonl")]
+    # same global batch of 4 (2 per rank): same first-step loss, to fp32 summation-order noise
+    assert mb[1]["loss"] == pytest.approx(ma[1]["loss"], rel=1e-5)
+    a = load_file(str(tmp_path / "one/checkpoints/step-00000003/resume/state.safetensors"))
+    b = load_file(str(tmp_path / "two/checkpoints/step-00000003/resume/state.safetensors"))
+    for k in a:
+        if k.startswith("model."):
+            # three Adam steps of lr 5e-3: Adam divides by √v, so summation-order noise in a gradient
+            # near zero can move that one weight by a visible fraction of lr (measured: 1 of 12,288
+            # weights off by 1.2e-5). Bound the worst weight loosely and the typical one tightly.
+            torch.testing.assert_close(b[k], a[k], rtol=0, atol=1e-4)
+            assert (b[k].double() - a[k].double()).abs().mean() < 1e-6, k
+    assert "rng.rank1.cpu" in b and json.load(open(tmp_path / "two/summary.json"))["world_size"] == 2
