@@ -21,13 +21,6 @@ QUESTIONS = ["Tell me about the capital of France.", "Write a short story about 
              "Why do robots learn to paint?", "Print the squares of 0 to 9.", "What colour is the sunrise?"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 def test_bundled_checks_and_seed_economics():
     chk = stage_check(DemoConfig())

@@ -18,13 +18,6 @@ SUMMARY_KEYS = ("accept_len", "tok_s", "baseline_tok_s", "speedup", "predicted_t
                 "offline_accept_len", "offline_rel_err", "predicted_rel_err", "match_rate", "config", "cycles")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # two CPU cores shared with other jobs: threads only fight
-    yield
-    torch.set_num_threads(n)
-
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):

@@ -16,14 +16,6 @@ from draftport.errors import DraftportError
 PROMPTS = ["Hello, how are you today?", "def add(a, b):", "The capital of France is", "Once upon a time there"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Two shared CPU cores: intra-op threads fight each other (100× slower here); one thread each."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 def drafter_config(target, vocab: int | None = None) -> dict:
     return {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": target.hidden_size,

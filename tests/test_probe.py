@@ -36,52 +36,18 @@ def save_target(t, path):
     return str(path)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Two shared CPU cores: intra-op threads fight each other; one thread each is much faster here."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 def train_drafter(target_dir: str, data: str, out: str, steps: int = 40, depth: int = 3, max_len: int = 64) -> str:
     """A tiny EAGLE-3 drafter for the target in `target_dir`, trained in seconds (TTT, hard labels = the
     target's argmax) on the conversations in `data`, saved in SGLang layout; returns its directory."""
-    import torch.nn.functional as F
-
     from draftport.data import load_conversations, tokenize_conversation
-    from draftport.drafter import Eagle3Drafter, TTTCache
     from draftport.target import load_target
+    from test_offline import train_tiny_drafter
 
     target = load_target(target_dir, device="cpu", dtype="fp32")
-    H = target.hidden_size
-    d = Eagle3Drafter.from_config({
-        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": H,
-        "intermediate_size": 2 * H, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": H // 4,
-        "num_hidden_layers": 1, "vocab_size": target.vocab_size, "draft_vocab_size": target.vocab_size,
-        "rms_norm_eps": 1e-6, "max_position_embeddings": 1024, "torch_dtype": "float32",
-        "draftport": {"trained_layers": list(target.aux_layers)}}, seed=0)
-    d.set_embedding(target.embed_weight)
     seqs = [tokenize_conversation(target.tokenizer, c, max_len=max_len)[0].tolist() for c in load_conversations(data)]
-    T = max(len(x) for x in seqs)
-    ids = torch.tensor([x + [0] * (T - len(x)) for x in seqs])
-    real = torch.tensor([[1] * len(x) + [0] * (T - len(x)) for x in seqs], dtype=torch.bool)
-    out_t = target.forward(ids, attention_mask=real.long(), with_logits=True)
-    labels = out_t.logits.argmax(-1).masked_fill(~real, -100)
-    opt = torch.optim.Adam([p for p in d.parameters() if p.requires_grad], lr=1e-2)
-    pos = torch.arange(T - 1)
-    for _ in range(steps):
-        cache = TTTCache.empty(d.num_layers, key_padding=real[:, :T - 1])
-        hidden, loss = d.project(out_t.aux[:, :T - 1]), 0.0
-        for i in range(depth):
-            hidden, logits = d.step(hidden, F.pad(ids[:, 1 + i:], (0, i)), pos + i, cache)
-            lab = F.pad(labels[:, 1 + i:], (0, i), value=-100)
-            loss = loss + 0.8 ** i * F.cross_entropy(logits.flatten(0, 1), lab.flatten(), ignore_index=-100)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    d.eval().save_pretrained(out, format="sglang", target=target)
+    d = train_tiny_drafter(target, seqs, depth=depth, steps=steps, corrupt=0.0)
+    d.save_pretrained(out, format="sglang", target=target)
     return str(out)
 
 

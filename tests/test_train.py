@@ -40,14 +40,6 @@ def write_cyclic(path, n: int, seed: int = 0) -> str:
     return str(path)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Two shared cores: torch's second OpenMP thread only spins (a tiny step goes from 10 ms to 1 s)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
