@@ -7,8 +7,10 @@ target logits (bf16) given per step; the step includes what the anchor's step in
 target logits to the draft vocab + their argmax, the 7-step unroll, backward and the optimizer.
 Model FLOPs per token as the anchor counts them: 6 × (7 × (decoder layer + lm_head) + fc).
 
-Usage: python benchmarks/bench_train.py [--T 2048] [--steps 8] [--shape 8b|tiny] [--checkpointing]
-Prints one line `RESULT {json}`.
+Usage: python benchmarks/bench_train.py [--T 2048] [--steps 8] [--shape 8b|gemma|tiny] [--checkpointing]
+                                       [--attention flex|eager] [--max-T]
+--max-T doubles T from --T (one step each) until a step runs out of memory and reports the largest
+that trained. Prints one line `RESULT {json}` per measurement.
 """
 
 from __future__ import annotations
@@ -26,6 +28,9 @@ from draftport.train import TTTModel
 SHAPES = {
     "8b": dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
                vocab_size=128256, draft_vocab_size=32000, rope_theta=500000.0, rms_norm_eps=1e-5),
+    # a drafter for Gemma-3-270M as `draftport train` builds it (target head 262k; batch 16 x 512 ~ T 8192)
+    "gemma": dict(hidden_size=640, intermediate_size=2048, num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+                  vocab_size=262144, draft_vocab_size=32000, rope_theta=1000000.0, rms_norm_eps=1e-6),
     "tiny": dict(hidden_size=256, intermediate_size=704, num_attention_heads=4, num_key_value_heads=2,
                  vocab_size=4096, draft_vocab_size=1024, rope_theta=10000.0, rms_norm_eps=1e-6),
 }
@@ -39,12 +44,31 @@ def main() -> None:
     ap.add_argument("--ttt", type=int, default=7)
     ap.add_argument("--loss-chunk", type=int, default=8192)
     ap.add_argument("--checkpointing", action="store_true")
+    ap.add_argument("--attention", default=None, choices=["flex", "eager"], help="default: flex on CUDA")
+    ap.add_argument("--max-T", action="store_true", help="find the longest trainable T (doubling)")
     args = ap.parse_args()
+    if args.max_T:
+        T, best = args.T, None
+        while True:
+            try:
+                res = run(args, T, steps=2)
+                best = res
+                T *= 2
+            except torch.OutOfMemoryError as exc:
+                print("RESULT", json.dumps({"max_T": best and best["T"], "first_oom_T": T,
+                                            "oom": " ".join(str(exc).split())[:160], "best": best}), flush=True)
+                return
+            finally:
+                torch.cuda.empty_cache()
+    run(args, args.T, args.steps)
+
+
+def run(args, T: int, steps: int) -> dict:
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
     s = SHAPES[args.shape]
     cfg = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "num_hidden_layers": 1,
-           "max_position_embeddings": args.T + 64, "hidden_act": "silu", "tie_word_embeddings": False, **s}
+           "max_position_embeddings": T + 64, "hidden_act": "silu", "tie_word_embeddings": False, **s}
     drafter = Eagle3Drafter.from_config(cfg, seed=0, device=dev, dtype=dt)
     V, Vd, H = s["vocab_size"], s["draft_vocab_size"], s["hidden_size"]
     g = torch.Generator(device=dev).manual_seed(0)
@@ -57,10 +81,11 @@ def main() -> None:
         from draftport.train import enable_activation_checkpointing
 
         enable_activation_checkpointing(drafter)
-    model = TTTModel(drafter, args.ttt, args.loss_chunk)
+    attention = args.attention or ("flex" if dev.type == "cuda" else "eager")
+    model = TTTModel(drafter, args.ttt, args.loss_chunk, attention)
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4, fused=dev.type == "cuda")
-    T, k = args.T, args.ttt
+    k = args.ttt
     ids = torch.randint(0, V, (1, T), device=dev, generator=g)
     mask = torch.ones(1, T, dtype=torch.bool, device=dev)
     aux = torch.randn(1, T, 3 * H, device=dev, dtype=dt, generator=g)
@@ -83,7 +108,7 @@ def main() -> None:
     times = []
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    for i in range(args.steps):
+    for i in range(steps):
         if dev.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -97,11 +122,13 @@ def main() -> None:
     flops_tok = 6 * (k * (mid + drafter.lm_head.weight.numel()) + drafter.fc.weight.numel())
     tok_s = T / steady
     res = {"tool": "draftport TTTModel", "shape": args.shape, "T": T, "ttt": k, "checkpointing": args.checkpointing,
+           "attention": attention,
            "step_ms_median": round(steady * 1e3, 1), "tok_s": round(tok_s), "model_GFLOP_per_tok": round(flops_tok / 1e9, 2),
            "MFU_vs_790TFLOPs": round(tok_s * flops_tok / 790e12, 3),
            "peak_mem_GB": round(torch.cuda.max_memory_allocated() / 1e9, 1) if dev.type == "cuda" else None,
            "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"}
     print("RESULT", json.dumps(res), flush=True)
+    return res
 
 
 if __name__ == "__main__":

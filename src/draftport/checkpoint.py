@@ -304,3 +304,126 @@ def pack_state(model_sd: dict[str, torch.Tensor], optim_sd: dict) -> tuple[dict[
     otensors, ometa = flatten_optimizer(optim_sd)
     tensors.update(otensors)
     return tensors, ometa
+
+
+# ---------------------------------------------------------------------------------------------
+# a training run's directory: its flags, a restart, the whole-state save of a (sharded) model
+
+RUN_FILE = "run.json"   # the flags a run was started with: a rerun with other flags is refused
+RUN_FILES = ("metrics.jsonl", "summary.json", RUN_FILE)
+RUN_DIRS = (CHECKPOINTS, "tb", "final")
+
+
+def config_mismatch(old: dict, new: dict) -> str | None:
+    """'key: old now new' for the first key (sorted) whose value differs, else None."""
+    for key in sorted(set(old) | set(new)):
+        if old.get(key) != new.get(key):
+            return f"{key}: {old.get(key)!r} now {new.get(key)!r}"
+    return None
+
+
+def check_run_dir(out: str | os.PathLike, request: dict, restart: bool) -> None:
+    """Refuse to continue a run that was started with other flags (every rank calls this)."""
+    run_file = Path(out) / RUN_FILE
+    if not restart and run_file.is_file():
+        diff = config_mismatch(read_json(run_file), request)
+        if diff:
+            raise DraftportError(f"holds a training run with other settings ({diff}); rerun with --restart to "
+                                 "start over, or use another --out", out)
+
+
+def start_run_dir(out: str | os.PathLike, request: dict, restart: bool) -> None:
+    """Rank 0: --restart deletes this run's files (and nothing else in --out); record the flags."""
+    from draftport.safeio import atomic_write_json
+
+    out = Path(out)
+    if restart:
+        for name in RUN_DIRS:
+            shutil.rmtree(out / name, ignore_errors=True)
+        for name in RUN_FILES:
+            if (out / name).exists():
+                (out / name).unlink()
+    atomic_write_json(out / RUN_FILE, request)
+
+
+def keep_metrics(path: str | os.PathLike, upto_step: int) -> None:
+    """Keep the metrics.jsonl lines of steps ≤ upto_step (a resumed run rewrites what follows)."""
+    from draftport.safeio import atomic_write_bytes, iter_jsonl
+
+    kept = [rec for _, rec in iter_jsonl(path) if rec.get("step", 0) <= upto_step] \
+        if upto_step and os.path.isfile(path) else []
+    atomic_write_bytes(path, "".join(json.dumps(r) + "\n" for r in kept).encode())
+
+
+def seed_everything(seed: int) -> None:
+    """torch seeds its default generator randomly in every process: seed it (and python, numpy) so
+    that two runs of one command hold the same RNG states, which resume then restores."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def save_training_state(out: str | os.PathLike, step: int, model, optimizer, info, meta: dict, *,
+                        write_model: Callable[[Path, dict], None] | None, keep_last: int,
+                        skip: tuple[str, ...] = ()) -> Path:
+    """Collective: gather the full model / optimizer state and every rank's RNG, rank 0 writes the
+    checkpoint (write_model(dir, full model state) adds the engine files), all ranks wait for it."""
+    from draftport import parallel
+
+    full_sd, full_osd = gather_full_state(model, optimizer, skip=skip)
+    rngs = {"cpu": parallel.all_gather_rng(torch.get_rng_state(), info)}
+    if info.device.type == "cuda":
+        rngs["cuda"] = parallel.all_gather_rng(torch.cuda.get_rng_state(info.device), info)
+    if info.is_main:
+        tensors, ometa = pack_state(full_sd, full_osd)
+        tensors.update({f"rng.rank{r}.{kind}": t for kind, ts in rngs.items() for r, t in enumerate(ts)})
+        body = dict(meta, optimizer=ometa, host_rng=host_rng_state(), world_size=info.world_size)
+        wm = None if write_model is None else (lambda d: write_model(d, full_sd))
+        write_checkpoint(out, step, tensors=tensors, meta=body, write_model=wm, keep_last=keep_last)
+    parallel.barrier(info)
+    return checkpoint_dir(out, step)
+
+
+def restore_training_state(ckpt: str | os.PathLike, model, optimizer, info, skip: tuple[str, ...] = ()) -> dict:
+    """Every rank: load a checkpoint's full state into the (sharded) model and optimizer and restore
+    this rank's RNG states; returns the checkpoint's JSON state."""
+    meta, tensors = read_checkpoint(ckpt)
+    model_sd, optim_sd = split_state(tensors, meta)
+    load_full_state(model, optimizer, model_sd, optim_sd, skip=skip)
+    set_rng_tensors(tensors, info.rank, info.device)
+    set_host_rng_state(meta["host_rng"])
+    return meta
+
+
+def publish_final(ckpt: str | os.PathLike, dest: str | os.PathLike) -> Path:
+    """Copy a checkpoint's engine files (not resume/) to `dest` (e.g. <out>/final), atomically."""
+    ckpt, dest = Path(ckpt), Path(dest)
+    tmp = dest.parent / f".tmp-{dest.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for p in ckpt.iterdir():
+        if p.is_file():
+            shutil.copy2(p, tmp / p.name)
+            _fsync_file(tmp / p.name)
+    if dest.exists():
+        _remove_dir(dest)
+    atomic_rename_dir(str(tmp), str(dest))
+    return dest
+
+
+def export_copy(spec, state: dict[str, torch.Tensor]):
+    """A bf16 CPU Eagle3Drafter holding a full (gathered) state, for formats.save_drafter."""
+    from torch import nn
+
+    from draftport.drafter import Eagle3Drafter
+
+    exp = Eagle3Drafter(spec, device="meta")
+    exp.embed_tokens.weight = nn.Parameter(torch.empty(0, spec.hidden_size), requires_grad=False)  # not saved
+    exp.to_empty(device="cpu")
+    sd = {k[len("drafter."):]: v for k, v in state.items() if k.startswith("drafter.")}
+    missing, unexpected = exp.load_state_dict(sd, strict=False)
+    if [m for m in missing if not m.startswith("embed_tokens.")] or unexpected:
+        raise DraftportError(f"internal: export state mismatch ({missing[:3]}, {unexpected[:3]})")
+    exp.to(torch.bfloat16)  # serving dtype; d2t / t2d stay integer / bool
+    exp.embedding_source = "target"
+    return exp

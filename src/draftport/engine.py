@@ -208,6 +208,7 @@ class SpecEngine:
         self.cache = _SlotCache(self.num_layers, self.S)
         self._ar = torch.arange(self.S, device=self.device)
         self._ones11 = torch.ones(1, 1, dtype=torch.bool, device=self.device)
+        self._zero = torch.zeros((), dtype=torch.long, device=self.device)
         self._gen = torch.Generator(device=self.device)
         use_graphs = self.cfg.use_cuda_graphs if self.cfg.use_cuda_graphs is not None else self.device.type == "cuda"
         if use_graphs and self.device.type != "cuda":
@@ -233,6 +234,9 @@ class SpecEngine:
                                  f"layers {layers} of a {self.num_layers}-layer target", spec.source)
         if spec.vocab_size != self.vocab_size:
             raise DraftportError(f"drafter vocab {spec.vocab_size} != target vocab {self.vocab_size}", spec.source)
+        d_device = getattr(getattr(drafter, "d2t", None), "device", self.device)
+        if d_device != self.device:
+            raise DraftportError(f"the drafter is on {d_device} but the target on {self.device}", spec.source)
         if drafter.embedding_source == "unset":
             drafter.set_embedding(self.target.embed_weight)
         self.aux_layers = layers
@@ -344,7 +348,7 @@ class SpecEngine:
         self._gen.manual_seed(self.cfg.seed if seed is None else seed)
         clock = _Clock(self.device)
         # Prefill (eager: one shape per prompt length would only fill the graph cache).
-        zero = torch.zeros((), dtype=torch.long, device=self.device)
+        zero = self._zero
         causal = torch.ones(P, P, dtype=torch.bool, device=self.device).tril()
         logits, aux = self.target_pass(prompt, zero, self._ar[:P], causal, graphed=False)
         last = self._pick(logits[-1])
@@ -380,9 +384,9 @@ class SpecEngine:
         logits, _ = self.target_pass(last[None], nt, self._ar[:1], self._ones11)
         clock.mark()
         nxt = self._pick(logits[0])
-        tok = int(nxt)                                                     # the cycle's one host sync
+        emitted = self._emitted(self._zero, nxt[None])                     # the cycle's one host sync
         clock.mark()
-        return [tok], nxt
+        return emitted, nxt
 
     def _chain_cycle(self, last, n, state, clock):
         """Chain: d_1 from the last extend, k-1 single-token steps, verify k+1, accept, extend."""
@@ -398,7 +402,7 @@ class SpecEngine:
                 q = sampling.warp_probs(dl, c.temperature, c.top_p)        # [Vd]
                 did = sampling.sample(q, self._gen)
                 qs.append(torch.zeros(self.vocab_size, device=dev).index_copy_(0, self.d2t_ids, q))
-            tok = self.d2t_ids[did]
+            tok = self.d2t_ids.index_select(0, did.reshape(1))[0]           # tensor index: no host sync
             drafts.append(tok)
             if j < k:  # row j sits at position (and slot) n-1+j and sees every slot up to its own
                 p = torch.full((1,), n - 1 + j, dtype=torch.long, device=dev)

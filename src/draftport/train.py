@@ -13,7 +13,14 @@ Runs are resumable: every --save-every steps (and at the end) a checkpoint is wr
 loads as is, with the exact resume state in its resume/ folder (checkpoint.py). Rerunning the same
 command continues from the newest complete checkpoint (model, optimizer, schedule, RNG, data
 position); --restart starts over; a different config is refused. The batch of step s is a pure
-function of (seed, s) (parallel.epoch_batch), so the data position is the step.
+function of (seed, s) (parallel.epoch_batch), so the data position is the step. The finished
+drafter is also copied to <out>/final (engine files only).
+
+Speed: on CUDA the TTT attention runs as one fused flex-attention kernel for the step-0 causal keys
+plus the later steps' diagonal keys in closed form (flex_ttt_attention; no [T, T] scores, so long
+sequences fit), under bf16 autocast (one process) or FSDP2 bf16 mixed precision; the soft CE is
+chunked over the draft vocab; nothing in a step waits for the host except the logging steps. On the
+CPU the target head (262k columns for Gemma) runs only over masked rows and is cached per sample.
 """
 
 from __future__ import annotations
@@ -22,12 +29,10 @@ import dataclasses
 import json
 import math
 import os
-import shutil
 import time
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from draftport import checkpoint as ckpt
@@ -35,12 +40,10 @@ from draftport import parallel
 from draftport.errors import DraftportError, bad_input
 from draftport.losses import (DEFAULT_DECAY, conditional_hit_counts, position_valid, shift_left, simulated_accept_len,
                               soft_ce_chunked, step_accuracy)
-from draftport.safeio import atomic_write_bytes, atomic_write_json, iter_jsonl, read_json
+from draftport.safeio import atomic_write_json, read_json
 
 EMBED = "drafter.embed_tokens."   # FQN prefix of the frozen target embedding: never checkpointed
-RUN_FILE = "run.json"             # the flags a run was started with: a rerun with other flags is refused
 MIN_LR_RATIO = 0.1                # cosine decays to 10 % of the peak learning rate
-LOGIT_ROWS_BYTES = 1 << 28        # the target head runs over row chunks of at most this many fp32 logits
 
 
 @dataclass
@@ -74,6 +77,9 @@ class TrainConfig:
     val_fraction: float = 0.05           # held-out share of the data (data.split_train_val, by seed)
     val_max_samples: int = 256           # validate on at most this many held-out samples
     loss_chunk: int = 8192               # draft-vocab columns per chunk of the soft CE
+    attention: str = "auto"              # TTT attention: flex (fused, CUDA) | eager | auto (flex on CUDA)
+    lm_head_from_target: bool = False    # from scratch: lm_head rows start as the target's head rows
+    target_cache_mb: int = 1024          # CPU: keep target-head results per sample up to this size
     activation_checkpointing: bool = False  # recompute the MLP in backward (long sequences)
     log_every: int | None = None         # metrics line every N steps (None: 1 on cpu, 10 on cuda); syncs
 
@@ -82,12 +88,68 @@ class TrainConfig:
 # the training-time test
 
 
-class TTTModel(nn.Module):
-    """The drafter and its k-step unroll as one module, so FSDP2's root hooks see the whole step."""
+_FLEX: dict = {}  # the compiled flex_attention and causal block masks by (T, device)
 
-    def __init__(self, drafter: nn.Module, k: int, loss_chunk: int):
+
+def flex_ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
+    """drafter.ttt_attention's result without its [T, T] score matrix (CUDA): the step-0 causal part
+    is one fused flex-attention kernel that also returns its log-sum-exp, and each later step adds
+    its single diagonal key in closed form — softmax over the union = the two parts re-weighted by
+    their exp-sums. q [B, Hq, T, D]; keys / values: steps 0..i, each [B, Hkv, T, D]."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    B, Hq, T, D = q.shape
+    Hkv = keys[0].shape[1]
+    G = Hq // Hkv
+    if "fn" not in _FLEX:
+        _FLEX["fn"] = torch.compile(flex_attention)
+    mask = _FLEX.get((T, q.device))
+    if mask is None:
+        mask = _FLEX[(T, q.device)] = create_block_mask(lambda b, h, qi, ki: ki <= qi, None, None, T, T,
+                                                       device=q.device)
+    try:
+        from torch.nn.attention.flex_attention import AuxRequest
+        out0, aux = _FLEX["fn"](q, keys[0], values[0], block_mask=mask, enable_gqa=G > 1,
+                                return_aux=AuxRequest(lse=True))
+        lse0 = aux.lse
+    except ImportError:  # torch < 2.9
+        out0, lse0 = _FLEX["fn"](q, keys[0], values[0], block_mask=mask, enable_gqa=G > 1, return_lse=True)
+    if len(keys) == 1:
+        return out0
+    qg = q.view(B, Hkv, G, T, D)
+    diag = torch.stack([(qg * k.unsqueeze(2)).sum(-1) for k in keys[1:]], -1).float() * D ** -0.5  # [B,Hkv,G,T,i]
+    l0 = lse0.float().view(B, Hkv, G, T, 1)
+    m = torch.maximum(l0, diag.amax(-1, keepdim=True)).detach()   # any constant works; this one is stable
+    w0, wd = torch.exp(l0 - m), torch.exp(diag - m)
+    out = out0.view(B, Hkv, G, T, D).float() * w0
+    for j, v in enumerate(values[1:]):
+        out = out + wd[..., j:j + 1] * v.unsqueeze(2).float()
+    return (out / (w0 + wd.sum(-1, keepdim=True))).to(q.dtype).view(B, Hq, T, D)
+
+
+def ttt_step(d, hidden, ids, pos, cache, attention):
+    """drafter.step's TTT form with the attention kernel chosen by the trainer (same modules and
+    order; `attention(q, keys, values)` sees every step's keys so far)."""
+    embeds = d.embed(ids)
+    cos, sin = d.rope(pos)
+    h = hidden.to(d.fc.weight.dtype)
+    for li, layer in enumerate(d.layers()):
+        def attend(q, k, v, li=li):
+            cache.keys[li].append(k)
+            cache.values[li].append(v)
+            return attention(q, cache.keys[li], cache.values[li])
+        h = layer(h, embeds, cos, sin, attend)
+    out = d.norm(h) if d.spec.norm_output else h
+    return out, d.logits(out)
+
+
+class TTTModel(nn.Module):
+    """The drafter and its k-step unroll as one module, so FSDP2's root hooks see the whole step.
+    attention: "eager" (drafter.step and its ttt_attention) or "flex" (flex_ttt_attention, CUDA)."""
+
+    def __init__(self, drafter: nn.Module, k: int, loss_chunk: int, attention: str = "eager"):
         super().__init__()
-        self.drafter, self.k, self.loss_chunk = drafter, k, loss_chunk
+        self.drafter, self.k, self.loss_chunk, self.attention = drafter, k, loss_chunk, attention
 
     def forward(self, aux, ids0, mask0, target0, argmax0, counts, with_hits: bool = False):
         """aux [B,T,n·Ht]; ids0, argmax0 [B,T] long; mask0 [B,T] bool; target0 [B,T+k,Vd] target logits
@@ -105,7 +167,10 @@ class TTTModel(nn.Module):
         for i in range(k):
             ids_i, mask_i, am_i = shift_left(ids0, i), shift_left(mask0, i), shift_left(argmax0, i)
             valid = position_valid(mask_i, am_i, d.t2d)
-            hidden, logits = d.step(hidden, ids_i, pos + i, cache)                  # logits [B, T, Vd]
+            if self.attention == "flex":
+                hidden, logits = ttt_step(d, hidden, ids_i, pos + i, cache, flex_ttt_attention)
+            else:
+                hidden, logits = d.step(hidden, ids_i, pos + i, cache)              # logits [B, T, Vd]
             ce = soft_ce_chunked(logits, target0[:, i:i + T], cols, valid, self.loss_chunk)  # / local count
             li = ce * (valid.sum().clamp_min(1) / counts[i].clamp_min(1))           # → / global count
             loss = loss + DEFAULT_DECAY ** i * li
@@ -115,38 +180,6 @@ class TTTModel(nn.Module):
                 hits_all.append(hits)
                 masks_all.append(mask_i)
         return loss, torch.stack(stats, 1), hits_all, masks_all
-
-
-@torch.no_grad()
-def ttt_inputs(batch: dict, target, t2d: torch.Tensor, k: int, device: torch.device, info) -> dict:
-    """Shift a collated batch once and run the target head: the TTTModel inputs (module docstring)."""
-    ids = batch["input_ids"].to(device)
-    mask = (batch["loss_mask"].to(device) & batch["attention_mask"].to(device)).bool()
-    ids0, mask0 = shift_left(ids, 1), shift_left(mask, 1)
-    last = shift_left(batch["last_hidden"].to(device), 1)              # [B, T, H]: row t is last_hidden[t+1]
-    B, T, H = last.shape
-    cols = torch.nonzero(t2d).reshape(-1)                             # [Vd] target id of each draft row
-    V = int(t2d.numel())
-    rows = max(1, LOGIT_ROWS_BYTES // (4 * V))
-    flat = last.reshape(B * T, H)
-    argmax = torch.zeros(B * T, dtype=torch.long, device=device)
-    tl = torch.zeros(B * T, cols.numel(), dtype=target.dtype, device=device)  # [B·T, Vd]
-    # Only rows under the mask are ever read. Selecting them costs a host sync, free on the CPU (where
-    # the head over a 262k vocab dominates the step) and avoided on GPUs (all rows, no sync).
-    need = torch.nonzero(mask0.reshape(-1)).reshape(-1) if device.type == "cpu" else None
-    n_rows = B * T if need is None else need.numel()
-    for a in range(0, n_rows, rows):
-        r = slice(a, a + rows) if need is None else need[a:a + rows]
-        logits = target.logits(flat[r])                               # [n, V] through the target's own head
-        argmax[r] = logits.argmax(-1)
-        tl[r] = logits.index_select(-1, cols).to(tl.dtype)
-    tl = F.pad(tl.view(B, T, -1), (0, 0, 0, k))                       # padded by k: step i reads [:, i:i+T]
-    argmax = argmax.view(B, T)
-    counts = torch.stack([position_valid(shift_left(mask0, i), shift_left(argmax, i), t2d).sum()
-                          for i in range(k)]).float()
-    parallel.all_reduce_sum(counts, info)                             # global normaliser, no host sync
-    return {"aux": batch["aux"].to(device), "ids0": ids0, "mask0": mask0, "target0": tl,
-            "argmax0": argmax, "counts": counts}
 
 
 def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
@@ -165,98 +198,6 @@ def enable_activation_checkpointing(drafter) -> None:
     for layer in drafter.layers():
         fwd = layer.mlp.forward
         layer.mlp.forward = lambda x, _f=fwd: checkpoint(_f, x, use_reentrant=False)
-
-
-# ---------------------------------------------------------------------------------------------
-# data: a capture store (offline) or tokenized conversations with the target in the loop (online)
-
-
-class Samples:
-    """Indexable training data; `batch(idx)` -> collated dict with aux and last_hidden (store.collate)."""
-
-    def __init__(self, cfg: TrainConfig, target, console):
-        from draftport.store import MANIFEST, Store
-
-        self.target = target
-        self.offline = os.path.isdir(cfg.data) and os.path.isfile(os.path.join(cfg.data, MANIFEST))
-        if self.offline:
-            self.store = Store(cfg.data)
-            if not self.store.complete:
-                console.print(f"[yellow]warning: the store {cfg.data} is incomplete (its capture was not "
-                              "finished); training on the samples it holds[/yellow]")
-            n = len(self.store) if cfg.max_samples is None else min(cfg.max_samples, len(self.store))
-            self.store = self.store.view(0, n)
-            sc = self.store.config
-            for key, have in (("hidden_size", target.hidden_size), ("vocab_size", target.vocab_size)):
-                if sc.get(key) is not None and sc[key] != have:
-                    raise bad_input(cfg.data, f"the store was captured from a target with {key} {sc[key]}, "
-                                              f"but --target has {have}")
-            self.aux_layers = list(self.store.aux_layers)
-            shas = "".join(s["sha256"] for s in self.store.manifest["shards"])
-            self.fingerprint = f"store:{n}:{hash_text(shas)}"
-        else:
-            from draftport.capture import DEFAULT_MAX_LEN, data_fingerprint, tokenize_all
-            from draftport.data import load_conversations
-
-            convs = load_conversations(cfg.data, max_samples=cfg.max_samples)
-            self.ids, self.masks, skipped = tokenize_all(target.tokenizer, convs, cfg.chat_template,
-                                                         cfg.max_len or DEFAULT_MAX_LEN, console)
-            if skipped:
-                console.print(f"skipped {skipped} conversations with no assistant tokens")
-            self.aux_layers = None
-            self.fingerprint = f"convs:{len(self.ids)}:{data_fingerprint(self.ids, self.masks)}"
-        if len(self) < 2:
-            raise bad_input(cfg.data, f"{len(self)} usable samples; training needs at least 2 (train + validation)")
-
-    def __len__(self) -> int:
-        return len(self.store) if self.offline else len(self.ids)
-
-    def token_counts(self, idx, vocab_size: int) -> torch.Tensor:
-        """Token ids under the loss mask over samples `idx` -> int64 [V] (vocab.count_tokens)."""
-        from draftport.vocab import count_tokens
-
-        counts = torch.zeros(vocab_size, dtype=torch.long)
-        if self.offline:
-            from safetensors import safe_open
-            keep = set(int(i) for i in idx)
-            for sh in self.store.manifest["shards"]:
-                if not any(sh["start"] <= i < sh["end"] for i in keep):
-                    continue
-                with safe_open(os.path.join(self.store.path, sh["file"]), "pt") as f:
-                    off, x, m = f.get_tensor("offsets"), f.get_tensor("input_ids"), f.get_tensor("loss_mask")
-                for j in range(sh["end"] - sh["start"]):
-                    if sh["start"] + j in keep:
-                        a, b = int(off[j]), int(off[j + 1])
-                        count_tokens(x[a:b].long(), m[a:b].bool(), vocab_size, counts)
-        else:
-            for i in idx:
-                count_tokens(torch.from_numpy(self.ids[i]).long(), torch.from_numpy(self.masks[i]).bool(),
-                             vocab_size, counts)
-        return counts
-
-    def batch(self, idx, aux_layers: list[int]) -> dict:
-        from draftport.store import collate
-
-        if self.offline:
-            return collate([self.store[int(i)] for i in idx])
-        t = self.target
-        pad = getattr(t.tokenizer, "pad_token_id", None) or 0
-        B, T = len(idx), max(len(self.ids[i]) for i in idx)
-        ids = torch.full((B, T), int(pad), dtype=torch.long)
-        attn = torch.zeros(B, T, dtype=torch.bool)
-        mask = torch.zeros(B, T, dtype=torch.bool)
-        for b, i in enumerate(idx):
-            n = len(self.ids[i])
-            ids[b, :n], attn[b, :n] = torch.from_numpy(self.ids[i].astype("int64")), True
-            mask[b, :n] = torch.from_numpy(self.masks[i]).bool()
-        out = t.forward(ids.to(t.device), attention_mask=attn.long().to(t.device), aux_layers=aux_layers)
-        return {"input_ids": ids, "loss_mask": mask, "attention_mask": attn, "aux": out.aux,
-                "last_hidden": out.last_hidden}
-
-
-def hash_text(text: str) -> str:
-    import hashlib
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -282,7 +223,7 @@ def drafter_config(target, layers: list[int], vocab_size: int, draft_vocab_size:
                           "target_model_type": s.model_type, "target_num_layers": target.num_layers}}
 
 
-def build_drafter(cfg: TrainConfig, target, data: Samples, train_idx, console, resuming: bool, device):
+def build_drafter(cfg: TrainConfig, target, data: "parallel.Samples", train_idx, console, resuming: bool, device):
     """-> (fp32 drafter on `device` with the target's embedding, aux layers, notes). Vocab from the data unless kept from --init-from."""
     from draftport.drafter import Eagle3Drafter
     from draftport.spec import default_aux_layers
@@ -333,6 +274,9 @@ def build_drafter(cfg: TrainConfig, target, data: Samples, train_idx, console, r
         if not resuming:  # on resume d2t / t2d come back with the weights
             vm = build_draft_vocab(data.token_counts(train_idx, V), Vd)
             drafter.set_vocab_mapping(vm.d2t, vm.t2d)
+            if cfg.lm_head_from_target and target.hidden_size == drafter.spec.hidden_size:
+                with torch.no_grad():  # the drafter's output plays the target's last hidden: start from its head
+                    drafter.lm_head.weight.copy_(target.lm_head_weight.detach()[vm.used.to(target.device)].float())
             notes["vocab"] = "built from the training data"
             notes["vocab_filled"] = vm.filled
             if vm.filled:
@@ -346,22 +290,6 @@ def build_drafter(cfg: TrainConfig, target, data: Samples, train_idx, console, r
     drafter.to(device)
     drafter.set_embedding(target.embed_weight)  # after the move: shared, not copied, when dtypes agree
     return drafter, layers, notes
-
-
-def export_copy(spec, state: dict[str, torch.Tensor]):
-    """A bf16 CPU Eagle3Drafter holding a full (gathered) state, for formats.save_drafter."""
-    from draftport.drafter import Eagle3Drafter
-
-    exp = Eagle3Drafter(spec, device="meta")
-    exp.embed_tokens.weight = nn.Parameter(torch.empty(0, spec.hidden_size), requires_grad=False)  # not saved
-    exp.to_empty(device="cpu")
-    sd = {k[len("drafter."):]: v for k, v in state.items() if k.startswith("drafter.")}
-    missing, unexpected = exp.load_state_dict(sd, strict=False)
-    if [m for m in missing if not m.startswith("embed_tokens.")] or unexpected:
-        raise DraftportError(f"internal: export state mismatch ({missing[:3]}, {unexpected[:3]})")
-    exp.to(torch.bfloat16)  # serving dtype; d2t / t2d stay integer / bool
-    exp.embedding_source = "target"
-    return exp
 
 
 # ---------------------------------------------------------------------------------------------
@@ -389,35 +317,9 @@ def request_config(cfg: TrainConfig, device: torch.device) -> dict:
     return json.loads(json.dumps(d))
 
 
-def _mismatch(old: dict, new: dict) -> str | None:
-    for key in sorted(set(old) | set(new)):
-        if old.get(key) != new.get(key):
-            return f"{key}: {old.get(key)!r} now {new.get(key)!r}"
-    return None
-
-
-def _prepare_out(cfg: TrainConfig, out: str, request: dict, info) -> None:
-    """--restart clears this run's files; otherwise a run started with other flags is refused."""
-    run_file = os.path.join(out, RUN_FILE)
-    if not cfg.restart and os.path.isfile(run_file):
-        diff = _mismatch(read_json(run_file), request)
-        if diff:
-            raise DraftportError(f"holds a training run with other settings ({diff}); rerun with --restart to "
-                                 "start over, or use another --out", out)
-    parallel.barrier(info)
-    if info.is_main:
-        if cfg.restart:
-            shutil.rmtree(os.path.join(out, ckpt.CHECKPOINTS), ignore_errors=True)
-            shutil.rmtree(os.path.join(out, "tb"), ignore_errors=True)
-            for name in ("metrics.jsonl", "summary.json", RUN_FILE):
-                if os.path.exists(os.path.join(out, name)):
-                    os.unlink(os.path.join(out, name))
-        atomic_write_json(run_file, request)
-    parallel.barrier(info)
-
-
 @torch.no_grad()
-def validate(model, data: Samples, val_idx, layers, target, k: int, B: int, info, device, amp) -> dict:
+def validate(model, data: "parallel.Samples", val_idx, layers, target, k: int, B: int, info, device, amp,
+             cache=None) -> dict:
     """Held-out loss, per-step accuracy (unconditional and conditional) and simulated τ."""
     import numpy as np
 
@@ -431,7 +333,8 @@ def validate(model, data: Samples, val_idx, layers, target, k: int, B: int, info
         batch = data.batch(mine or chunk[:1], layers)  # every rank must run the (collective) forward
         if not mine:
             batch["loss_mask"] = torch.zeros_like(batch["loss_mask"])
-        inp = ttt_inputs(batch, target, t2d, k, device, info)
+        inp = parallel.ttt_inputs(batch, target, t2d, k, device, info, 128 if model.attention == "flex" else 1,
+                         keys=mine or None, cache=cache)
         if info.is_main:  # already global: count it once before the sum over ranks below
             tot[1] += inp["counts"].double().cpu()
         inp["counts"] = torch.ones(k, dtype=torch.long, device=device)  # → per-step loss sums
@@ -448,15 +351,6 @@ def validate(model, data: Samples, val_idx, layers, target, k: int, B: int, info
     return {"val_loss": sum(DEFAULT_DECAY ** i * v for i, v in enumerate(loss_steps)), "val_loss_steps": loss_steps,
             "val_acc": acc, "val_cond_acc": cond, "val_accept_len": simulated_accept_len(cond, min(3, k)),
             "val_accept_len_k": simulated_accept_len(cond, k)}
-
-
-def _seed_everything(seed: int) -> None:
-    import random
-
-    import numpy as np
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
 
 
 def _round(obj):
@@ -504,15 +398,21 @@ def _run(cfg: TrainConfig, info, target, console) -> dict:
         raise DraftportError(f"--batch-size and --ttt-steps must be at least 1 (got {B}, {k})")
     parallel.rank_slice(B, info)  # divisible by the ranks, or a one-line error
     request = request_config(cfg, dev)
-    _prepare_out(cfg, out, request, info)
-    _seed_everything(cfg.seed + info.rank)  # torch seeds its generator randomly per process otherwise
+    ckpt.check_run_dir(out, request, cfg.restart)
+    parallel.barrier(info)
+    if info.is_main:
+        ckpt.start_run_dir(out, request, cfg.restart)
+    parallel.barrier(info)
+    ckpt.seed_everything(cfg.seed + info.rank)
 
     if target is None:
         with console.status(f"loading target {cfg.target}"):
             target = load_train_target(cfg, dev, dtype)
-    data = Samples(cfg, target, console)
+    data = parallel.Samples(cfg.data, target, console, max_samples=cfg.max_samples, max_len=cfg.max_len,
+                            chat_template=cfg.chat_template)
     train_idx, val_idx = split_train_val(len(data), cfg.val_fraction, cfg.seed)
     val_idx = val_idx[:cfg.val_max_samples]
+    parallel.epoch_batch(0, len(train_idx), B, cfg.seed)  # a batch larger than the data: one-line error now
     latest = None if cfg.restart else ckpt.latest_checkpoint(out)
     drafter, layers, notes = build_drafter(cfg, target, data, train_idx, console, latest is not None, dev)
     steps = cfg.steps or max(1, len(train_idx) // B)
@@ -520,7 +420,10 @@ def _run(cfg: TrainConfig, info, target, console) -> dict:
     warmup = max(1, round(cfg.warmup_ratio * steps))
     if cfg.activation_checkpointing:
         enable_activation_checkpointing(drafter)
-    model = TTTModel(drafter, k, cfg.loss_chunk)
+    attention = cfg.attention if cfg.attention != "auto" else ("flex" if dev.type == "cuda" else "eager")
+    if attention not in ("flex", "eager") or (attention == "flex" and dev.type != "cuda"):
+        raise DraftportError(f"attention {cfg.attention!r}: expected eager, or flex on CUDA")
+    model = TTTModel(drafter, k, cfg.loss_chunk, attention)
     bf16 = dtype == "bf16"
     parallel.apply_fsdp(model, info, ignored_params={drafter.embed_tokens.weight}, bf16=bf16)
     amp = (lambda: torch.autocast(dev.type, dtype=torch.bfloat16)) if bf16 and not info.distributed else nullcontext
@@ -532,26 +435,20 @@ def _run(cfg: TrainConfig, info, target, console) -> dict:
 
     start, initial_val, last = 0, None, {}
     if latest is not None:
-        meta, tensors = ckpt.read_checkpoint(latest)
-        diff = _mismatch(meta.get("config", {}), fingerprint)
+        meta = read_json(latest / ckpt.RESUME / ckpt.STATE_JSON)
+        diff = ckpt.config_mismatch(meta.get("config", {}), fingerprint)
         if diff:
             raise DraftportError(f"newest checkpoint was trained with other settings ({diff}); rerun with "
                                  "--restart to start over, or use another --out", latest)
-        model_sd, optim_sd = ckpt.split_state(tensors, meta)
-        ckpt.load_full_state(model, opt, model_sd, optim_sd, skip=(EMBED,))
-        ckpt.set_rng_tensors(tensors, info.rank, dev)
-        ckpt.set_host_rng_state(meta["host_rng"])
+        meta = ckpt.restore_training_state(latest, model, opt, info, skip=(EMBED,))
         start, notes = int(meta["step"]), meta.get("notes", notes)
         initial_val, last = meta.get("initial_val"), meta.get("last_metrics", {})
-        del tensors, model_sd, optim_sd
         console.print(f"resuming from {latest} (step {start} of {steps})")
 
     metrics_path = os.path.join(out, "metrics.jsonl")
     writer = None
     if info.is_main:
-        kept = [rec for _, rec in iter_jsonl(metrics_path) if rec.get("step", 0) <= start] \
-            if start and os.path.isfile(metrics_path) else []
-        atomic_write_bytes(metrics_path, "".join(json.dumps(r) + "\n" for r in kept).encode())
+        ckpt.keep_metrics(metrics_path, start)
         from torch.utils.tensorboard import SummaryWriter
         writer = SummaryWriter(os.path.join(out, "tb"), purge_step=start or None)
 
@@ -568,34 +465,26 @@ def _run(cfg: TrainConfig, info, target, console) -> dict:
                         writer.add_scalar(f"{key}/{i}", x, rec["step"])
 
     def save(done: int, epoch: int, j: int) -> str:
-        full_sd, full_osd = ckpt.gather_full_state(model, opt, skip=(EMBED,))  # collective
-        rngs = {"cpu": parallel.all_gather_rng(torch.get_rng_state(), info)}
-        if dev.type == "cuda":
-            rngs["cuda"] = parallel.all_gather_rng(torch.cuda.get_rng_state(dev), info)
-        path = str(ckpt.checkpoint_dir(out, done))
-        if info.is_main:
-            tensors, ometa = ckpt.pack_state(full_sd, full_osd)
-            tensors.update({f"rng.rank{r}.{kind}": t for kind, ts in rngs.items() for r, t in enumerate(ts)})
-            meta = {"config": fingerprint, "optimizer": ometa, "host_rng": ckpt.host_rng_state(), "notes": notes,
-                    "data": {"samples_seen": done * B, "epoch": epoch, "batch_in_epoch": j + 1},
-                    "scheduler": {"name": "warmup_cosine", "peak_lr": peak, "warmup": warmup, "total": steps,
-                                  "min_ratio": MIN_LR_RATIO, "next_lr": lr_at(done, steps, peak, warmup)},
-                    "world_size": info.world_size, "initial_val": initial_val, "last_metrics": last}
+        meta = {"config": fingerprint, "notes": notes, "initial_val": initial_val, "last_metrics": last,
+                "data": {"samples_seen": done * B, "epoch": epoch, "batch_in_epoch": j + 1},
+                "scheduler": {"name": "warmup_cosine", "peak_lr": peak, "warmup": warmup, "total": steps,
+                              "min_ratio": MIN_LR_RATIO, "next_lr": lr_at(done, steps, peak, warmup)}}
 
-            def write_model(d):
-                export_copy(drafter.spec, full_sd).save_pretrained(d, format="sglang", target=target, layers=layers)
+        def write_model(d, full_sd):
+            ckpt.export_copy(drafter.spec, full_sd).save_pretrained(d, format="sglang", target=target, layers=layers)
 
-            ckpt.write_checkpoint(out, done, tensors=tensors, meta=meta, write_model=write_model,
-                                  keep_last=3 if cfg.keep_last is None else cfg.keep_last)
-        parallel.barrier(info)
-        return path
+        keep = 3 if cfg.keep_last is None else cfg.keep_last
+        return str(ckpt.save_training_state(out, done, model, opt, info, meta, write_model=write_model,
+                                            keep_last=keep, skip=(EMBED,)))
 
+    pad_to = 128 if attention == "flex" else 1
+    cache = parallel.HeadCache(cfg.target_cache_mb << 20)
     log_every = cfg.log_every or (10 if dev.type == "cuda" else 1)
     val_every = steps // 5 if cfg.val_every is None else cfg.val_every
     save_every = cfg.save_every or 1000
     slow = float(os.environ.get("DRAFTPORT_TEST_SLOW_STEP_S", "0") or 0)  # test hook: time to kill a run
     if start == 0:
-        initial_val = validate(model, data, val_idx, layers, target, k, B, info, dev, amp)
+        initial_val = validate(model, data, val_idx, layers, target, k, B, info, dev, amp, cache)
         log({"step": 0, **initial_val})
     sl, tokens, t0, final_path = parallel.rank_slice(B, info), 0, time.perf_counter(), None
     progress = Progress(TextColumn("training"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
@@ -607,9 +496,10 @@ def _run(cfg: TrainConfig, info, target, console) -> dict:
             for g in opt.param_groups:
                 g["lr"] = lr
             gidx, epoch, j = parallel.epoch_batch(step, len(train_idx), B, cfg.seed)
-            batch = data.batch([train_idx[i] for i in gidx[sl]], layers)
+            mine = [train_idx[i] for i in gidx[sl]]
+            batch = data.batch(mine, layers)
             tokens += int(batch["attention_mask"].sum())
-            inp = ttt_inputs(batch, target, drafter.t2d, k, dev, info)
+            inp = parallel.ttt_inputs(batch, target, drafter.t2d, k, dev, info, pad_to, keys=mine, cache=cache)
             with amp():
                 loss, stats, _, _ = model(**inp)
             (loss * info.world_size).backward()  # FSDP averages gradients over ranks; the loss is global
@@ -629,7 +519,7 @@ def _run(cfg: TrainConfig, info, target, console) -> dict:
                 progress.update(task, info=f"loss {rec['loss']:.3f}  acc0 {rec['acc'][0]:.2f}  "
                                            f"{rec['tok_s']:,.0f} tok/s")
             if (val_every and done % val_every == 0) or done == steps:
-                rec.update(validate(model, data, val_idx, layers, target, k, B, info, dev, amp))
+                rec.update(validate(model, data, val_idx, layers, target, k, B, info, dev, amp, cache))
             if rec:
                 last = _round({**last, **rec, "step": done})
                 log({"step": done, **rec})
@@ -640,6 +530,9 @@ def _run(cfg: TrainConfig, info, target, console) -> dict:
                 time.sleep(slow)
     if start >= steps:  # a finished run rerun: report what its last checkpoint recorded
         final_path = str(latest)
+    final = os.path.join(out, "final")
+    if info.is_main:  # <out>/final: the finished drafter, engine files only
+        ckpt.publish_final(final_path, final)
     if writer is not None:
         writer.close()
     seconds = time.perf_counter() - t0
@@ -647,7 +540,7 @@ def _run(cfg: TrainConfig, info, target, console) -> dict:
         "steps": steps, "final_loss": last.get("loss"), "val_loss": last.get("val_loss"),
         "val_accept_len": last.get("val_accept_len"), "val_accept_len_k": last.get("val_accept_len_k"),
         "val_acc": last.get("val_acc"), "val_cond_acc": last.get("val_cond_acc"), "initial_val": initial_val,
-        "final_drafter": final_path, "out": out, "mode": "offline" if data.offline else "online",
+        "final_drafter": final, "checkpoint": final_path, "out": out, "mode": "offline" if data.offline else "online",
         "resumed_from_step": start, "world_size": info.world_size, "ttt_steps": k, "batch_size": B,
         "aux_layers": layers, "draft_vocab_size": drafter.spec.draft_vocab_size, "vocab": notes,
         "num_train": len(train_idx), "num_val": len(val_idx), "tokens_per_s": last.get("tok_s"),
