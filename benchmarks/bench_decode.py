@@ -70,10 +70,15 @@ def parse_args(argv=None):
     p.add_argument("--budget-s", type=float, default=540.0, help="total wall-clock budget; later sections skip")
     p.add_argument("--hbm-bytes-per-s", type=float, default=HBM_BYTES_PER_S)
     p.add_argument("--hf-compile", action="store_true", help="also time HF generate with torch.compile")
+    p.add_argument("--hf-max-new-tokens", type=int, default=64,
+                   help="tokens per HF generate timing (its rate is flat in length; its static path is slow)")
+    p.add_argument("--hf-prompts", type=int, default=2, help="prompts per HF generate timing")
     p.add_argument("--llama8b", action="store_true", help="also time a random Llama-3.1-8B-shaped target")
     p.add_argument("--datasets", default="mt-bench,humaneval")
     p.add_argument("--work-dir", default=None, help="where eval runs write (default: a temp dir)")
     p.add_argument("--out", default=None, help="JSON file to write the result line to")
+    p.add_argument("--profile", default=None, help="write torch-profiler kernel tables of a 1-token step and an "
+                                                   "8-token verify (graphs off, to see each kernel) to this file")
     return p.parse_args(argv)
 
 
@@ -222,6 +227,40 @@ def section_steps(target, drafter, args, hbm: float) -> dict:
     return out
 
 
+def section_profile(target, drafter, args) -> dict:
+    """Kernel tables (torch.profiler, CUDA time) of eager 1-token and 8-token target passes: where a
+    step's time goes, to weigh against the HBM floor before changing anything."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from draftport.engine import EngineConfig, SpecEngine
+
+    eng = SpecEngine(target, None, EngineConfig(max_len=1024, use_cuda_graphs=False))
+    dev = eng.device
+    n = torch.tensor(256, dtype=torch.long, device=dev)
+    ar = torch.arange(eng.S, device=dev)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    tables, out = [], {}
+    for T in (1, 8):
+        ids = torch.zeros(T, dtype=torch.long, device=dev)
+        tril = torch.ones(T, T, dtype=torch.bool, device=dev).tril()
+        for _ in range(3):
+            eng.target_pass(ids, n, ar[:T], tril, graphed=False)
+        with profile(activities=acts) as prof:
+            for _ in range(10):
+                eng.target_pass(ids, n, ar[:T], tril, graphed=False)
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+        key = "self_cuda_time_total" if dev.type == "cuda" else "self_cpu_time_total"
+        tables.append(f"## {T}-token target pass, 10 calls, eager\n" +
+                      prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60))
+        evs = prof.key_averages()
+        out[f"kernels_per_pass_{T}"] = sum(e.count for e in evs if getattr(e, "device_type", None) is not None
+                                           and str(e.device_type).endswith("CUDA")) / 10
+    with open(args.profile, "w") as f:
+        f.write("\n\n".join(tables))
+    return out
+
+
 def engine_rate(engine, prompts, n_new: int, stop_ids=()) -> dict:
     """Decode tok/s of an engine over prompts (warm-up on the first excluded) and its τ."""
     engine.generate(prompts[0], min(n_new, 16), list(stop_ids))
@@ -255,8 +294,8 @@ def section_hf(target, prompts, args, stop_ids=()) -> dict:
     variants = [("dynamic", None), ("static", {"cache_implementation": "static"})]
     for name, extra in variants:
         hf_generate_rate(target, prompts[0], 4, list(stop_ids), 0.0, 1.0, 0, extra)  # warm-up
-        rates = [hf_generate_rate(target, p, args.max_new_tokens, list(stop_ids), 0.0, 1.0, 0, extra)[0]
-                 for p in prompts[: max(1, min(3, len(prompts)))]]
+        rates = [hf_generate_rate(target, p, args.hf_max_new_tokens, list(stop_ids), 0.0, 1.0, 0, extra)[0]
+                 for p in prompts[: max(1, min(args.hf_prompts, len(prompts)))]]
         rates = [r for r in rates if r]
         out[f"{name}_tok_s"] = statistics.mean(rates) if rates else None
     if args.hf_compile:
@@ -269,7 +308,7 @@ def section_hf(target, prompts, args, stop_ids=()) -> dict:
             extra = {"cache_implementation": "static"}
             for _ in range(2):  # compilation, then its first real run
                 hf_generate_rate(target, prompts[0], 8, list(stop_ids), 0.0, 1.0, 0, extra)
-            out["static_compiled_tok_s"] = hf_generate_rate(target, prompts[0], args.max_new_tokens, list(stop_ids),
+            out["static_compiled_tok_s"] = hf_generate_rate(target, prompts[0], args.hf_max_new_tokens, list(stop_ids),
                                                             0.0, 1.0, 0, extra)[0]
         except Exception as exc:  # keep the dynamic / static figures above
             out["static_compiled_error"] = f"{type(exc).__name__}: {exc}"[:300]
@@ -359,6 +398,8 @@ def main(argv=None) -> int:
         else:
             prompts = random_prompts(target, args.prompts_n)
         budget.run("steps", section_steps, target, drafter, args, args.hbm_bytes_per_s)
+        if args.profile:
+            budget.run("profile", section_profile, target, drafter, args)
         budget.run("engine", section_engine, target, drafter, prompts, args, stop_ids, need_s=30)
         if drafter is not None and target.tokenizer is not None:
             work = args.work_dir or tempfile.mkdtemp(prefix="bench-decode-")

@@ -15,6 +15,17 @@ import pytest
 FIXTURES = Path(__file__).parent / "fixtures"
 
 
+def pytest_addoption(parser):
+    # the full hostile-input run (issue #7): 1,200 cases per reader instead of CI's few dozen;
+    # DRAFTPORT_FUZZ_EXAMPLES=N sets the number per reader directly
+    parser.addoption("--fuzz-full", action="store_true", default=False,
+                     help="run tests/test_fuzz.py with 1,200 generated cases per reader (by hand, minutes)")
+    # the full killed-run campaign (issue #7): 12 SIGKILLs of `python -m draftport capture` and of
+    # `... train` at random points instead of CI's 3 each (of forked children)
+    parser.addoption("--reliability-full", action="store_true", default=False,
+                     help="run tests/test_reliability.py's kill campaign in full (by hand, minutes)")
+
+
 @pytest.fixture(scope="session")
 def fixtures_dir() -> Path:
     return FIXTURES

@@ -181,6 +181,28 @@ def test_regenerated_data_is_saved_and_reused(tmp_path, data, tiny, monkeypatch)
     for i, conv in enumerate(convs):
         assert torch.equal(store[i]["input_ids"], tokenize_conversation(tiny.tokenizer, conv, max_len=40)[0])
 
+    # the generate batch is part of the request (left padding changes greedy text): another is refused
+    with pytest.raises(DraftportError, match="regen_batch_size"):
+        run_capture(make_cfg(out, data, **kw, regen_batch_size=5), target=tiny)
+
+
+def test_regeneration_batches_prompts_by_regen_batch_size(tmp_path, data, tiny, monkeypatch):
+    """--regen-batch-size decides how many prompts one generate call takes (GPUs want hundreds), and a
+    saved chunk holds at least one such batch."""
+    import draftport.data as data_mod
+
+    seen = []
+    real = data_mod.generate_batch
+
+    def counting(target, prompts, *a, **k):
+        seen.append(len(prompts))
+        return real(target, prompts, *a, **k)
+
+    monkeypatch.setattr(data_mod, "generate_batch", counting)
+    run_capture(make_cfg(tmp_path / "r", data, regenerate=True, max_new_tokens=3, max_samples=7, batch_size=2,
+                         regen_batch_size=5), target=tiny)
+    assert seen[0] == 5 and max(seen) == 5  # the first turns of 5 prompts in one call, not batches of 2
+
 
 def test_shard_plan_and_batches():
     lengths = [5, 30, 7, 7, 50, 1, 2]

@@ -102,19 +102,23 @@ def test_layout_has_no_pickle_and_engine_files_beside_resume(tmp_path):
     assert "embed_tokens.weight" not in str(meta) and meta["complete"] is True
 
 
-def test_half_written_and_truncated_checkpoints_are_ignored(tmp_path):
+def test_half_written_checkpoints_are_ignored_and_truncated_ones_named(tmp_path):
     m, opt = _fresh()
     _train_step(m, opt, 0)
     good = _save(tmp_path, 1, m, opt)
     root = tmp_path / ck.CHECKPOINTS
-    # a kill mid-write leaves a temp dir; a copied dir without state.json; a truncated tensor file
+    # a kill mid-write leaves a temp dir; a copied dir without state.json: neither is a checkpoint
     (root / ".tmp-step-00000009-1234" / "resume").mkdir(parents=True)
     (root / "step-00000005" / "resume").mkdir(parents=True)
+    assert ck.latest_checkpoint(tmp_path) == good and ck.unusable_checkpoints(tmp_path) == [root / "step-00000005"]
+    # a published checkpoint truncated afterwards (a kill cannot do that) is damage: named, not skipped
     trunc = _save(tmp_path, 7, m, opt)
     data = (trunc / "resume/state.safetensors").read_bytes()
     (trunc / "resume/state.safetensors").write_bytes(data[: len(data) // 2])
-    assert ck.latest_checkpoint(tmp_path) == good
-    assert [s for s, _ in ck.list_checkpoints(tmp_path)] == [1]
+    assert ck.latest_checkpoint(tmp_path) == trunc
+    with pytest.raises(DraftportError, match="bytes, state.json records") as exc:
+        ck.read_checkpoint(trunc)
+    assert "\n" not in str(exc.value) and "state.safetensors" in str(exc.value)
     ck.prune(tmp_path, keep_last=5)
     assert not (root / ".tmp-step-00000009-1234").exists()
 

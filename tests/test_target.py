@@ -12,7 +12,7 @@ import torch
 
 from draftport.errors import DraftportError
 from draftport.target import (CACHE_MARKER, HFTarget, _save_converted, apply_logit_postprocessing,
-                              default_aux_layers, load_target, tiny_target, tiny_tokenizer)
+                              check_subword_tokenizer, default_aux_layers, load_target, tiny_target, tiny_tokenizer)
 
 FAMILIES = ["llama", "qwen2", "gemma3"]
 
@@ -193,6 +193,20 @@ def test_gemma_3_270m_from_package(gemma_target):
         assert torch.equal(out.aux[..., k * 640:(k + 1) * 640], ref.hidden_states[i]), f"layer {i}"
     assert torch.equal(out.logits, ref.logits)
     assert tg.tokenizer.decode(out.logits[0, -1].argmax()).strip() == "the"  # "... is the capital of the country"
+    check_subword_tokenizer(tg.tokenizer, "gemma")  # the real vocabulary holds common words whole
+
+
+def test_tokenizer_that_splits_common_words_is_refused():
+    """transformers 5.17's GGUF conversion of Gemma-3's tokenizer loses the merges (decode still
+    round-trips): such a tokenizer must stop the load with a one-line error, before anything is cached."""
+
+    class CharPieces:  # what the broken conversion does to ordinary words: many pieces each
+        def __call__(self, text, add_special_tokens=True):
+            return {"input_ids": [ord(c) for c in text]}
+
+    with pytest.raises(DraftportError) as err:
+        check_subword_tokenizer(CharPieces(), "model.gguf")
+    assert "model.gguf" in str(err.value) and "\n" not in str(err.value) and "pieces" in str(err.value)
 
 
 class _Evil:

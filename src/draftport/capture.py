@@ -45,7 +45,7 @@ TINY_TARGETS = {"tiny-llama": "llama", "tiny-qwen2": "qwen2", "tiny-gemma3": "ge
 # what must be equal to resume; "request" keys come straight from the flags (checked before the
 # target loads), the rest are derived from the target and the data
 REQUEST_KEYS = ("target", "data", "max_samples", "max_len", "chat_template", "regenerate", "samples_per_prompt",
-                "max_new_tokens", "temperature", "seed", "dtype")
+                "max_new_tokens", "temperature", "seed", "dtype", "regen_batch_size")
 IDENTITY = REQUEST_KEYS + ("aux_layers", "hidden_size", "shard_tokens", "data_sha256", "expected_samples")
 
 
@@ -63,6 +63,8 @@ class CaptureConfig:
     save_data: str | None = None       # also write the captured conversations (JSONL, `messages`) here
     max_new_tokens: int | None = None  # regeneration: tokens per response (None: data.regenerate's default)
     temperature: float = 0.0           # regeneration: 0 = greedy
+    regen_batch_size: int | None = None  # regeneration: prompts per batched generate (None: --batch-size);
+                                         # generation is host-bound per step, so GPUs want hundreds
     chat_template: str | None = None   # named template; None: the tokenizer's own, else plain
     device: str | None = None          # cpu | cuda (None: cuda when available)
     dtype: str | None = None           # target compute dtype bf16 | fp32 (None: bf16 on cuda, fp32 on cpu)
@@ -124,6 +126,7 @@ def request_config(cfg: CaptureConfig) -> dict:
             "samples_per_prompt": cfg.samples_per_prompt if cfg.regenerate else 1,
             "max_new_tokens": cfg.max_new_tokens if cfg.regenerate else None,
             "temperature": cfg.temperature if cfg.regenerate else None, "seed": cfg.seed,
+            "regen_batch_size": (cfg.regen_batch_size or cfg.batch_size or DEFAULT_BATCH) if cfg.regenerate else None,
             "dtype": cfg.dtype or ("bf16" if device.startswith("cuda") else "fp32")}
 
 
@@ -157,20 +160,23 @@ def load_data(cfg: CaptureConfig, target, request: dict, console: Console) -> li
     else:
         atomic_write_json(meta_path, request)
     out = []
-    chunks = range(0, len(convs), REGEN_CHUNK)
+    # a saved chunk holds at least one generate batch (chunking and batching decide the greedy text:
+    # left padding changes the numerics, so both are part of the request)
+    chunk = max(REGEN_CHUNK, request["regen_batch_size"])
+    chunks = range(0, len(convs), chunk)
     with _progress(console, unit="prompt") as progress:
         task = progress.add_task("regenerating", total=len(convs))
         for ci, s in enumerate(chunks):
             path = os.path.join(regen_dir, f"chunk-{ci:05d}.jsonl")
             if not os.path.exists(path):
-                part = data_mod.regenerate(target, convs[s:s + REGEN_CHUNK], samples_per_prompt=cfg.samples_per_prompt,
+                part = data_mod.regenerate(target, convs[s:s + chunk], samples_per_prompt=cfg.samples_per_prompt,
                                            max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                                           seed=cfg.seed + ci, batch_size=cfg.batch_size or DEFAULT_BATCH,
+                                           seed=cfg.seed + ci, batch_size=request["regen_batch_size"],
                                            chat_template=cfg.chat_template, max_len=request["max_len"])
                 data_mod.save_conversations(path, part)  # atomic: a chunk file is whole or absent
             # always the saved text, so a fresh run and a resumed one tokenize exactly the same data
             out.extend(data_mod.load_conversations(path, quiet=True))
-            progress.update(task, advance=len(convs[s:s + REGEN_CHUNK]))
+            progress.update(task, advance=len(convs[s:s + chunk]))
     data_mod.save_conversations(os.path.join(cfg.out, REGEN_FILE), out)
     return out
 
@@ -281,8 +287,8 @@ def run_capture(cfg: CaptureConfig, target=None, console: Console | None = None)
     console = console or Console(stderr=True)
     if cfg.max_len is not None and cfg.max_len < 2:
         raise DraftportError(f"--max-len must be at least 2, got {cfg.max_len}")
-    if (cfg.batch_size is not None and cfg.batch_size < 1) or cfg.samples_per_prompt < 1:
-        raise DraftportError("--batch-size and --samples-per-prompt must be at least 1")
+    if any(b is not None and b < 1 for b in (cfg.batch_size, cfg.regen_batch_size)) or cfg.samples_per_prompt < 1:
+        raise DraftportError("--batch-size, --regen-batch-size and --samples-per-prompt must be at least 1")
     if cfg.shard_tokens is not None and cfg.shard_tokens < 1:
         raise DraftportError(f"--shard-tokens must be at least 1, got {cfg.shard_tokens}")
     out = cfg.out

@@ -19,7 +19,9 @@ torch.distributed.checkpoint.state_dict helpers (collectives, no files) and rank
 
 from __future__ import annotations
 
+import hashlib
 import json
+import math
 import os
 import random
 import re
@@ -32,7 +34,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from draftport.errors import DraftportError
+from draftport.errors import DraftportError, disk_full, is_disk_full
 from draftport.safeio import atomic_rename_dir, read_json, sha256_file
 
 CHECKPOINTS = "checkpoints"     # subfolder of --out holding step-* directories
@@ -40,6 +42,7 @@ RESUME = "resume"               # subfolder of a checkpoint holding the resume s
 STATE_TENSORS = "state.safetensors"
 STATE_JSON = "state.json"
 FORMAT = "draftport-resume-1"   # bumped if the resume layout ever changes
+STATE_DIGEST = "state_sha256"   # state.json's digest of its own content (older checkpoints lack it)
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 
 
@@ -52,26 +55,12 @@ def checkpoint_dir(out: str | os.PathLike, step: int) -> Path:
 
 
 def is_complete(ckpt: str | os.PathLike) -> bool:
-    """True when the checkpoint was fully written: state.json (written last) parses, says complete,
-    and every file it lists exists with the recorded size. Cheap: no checksums here."""
-    ckpt = Path(ckpt)
-    meta_path = ckpt / RESUME / STATE_JSON
-    if not meta_path.is_file():
-        return False
-    try:
-        meta = json.loads(meta_path.read_text("utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return False
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT or not meta.get("complete"):
-        return False
-    files = meta.get("files")
-    if not isinstance(files, dict) or f"{RESUME}/{STATE_TENSORS}" not in files:
-        return False
-    for rel, info in files.items():
-        p = ckpt / rel
-        if not p.is_file() or not isinstance(info, dict) or p.stat().st_size != info.get("bytes"):
-            return False
-    return True
+    """True when the checkpoint was published whole. A checkpoint is written into a `.tmp-` directory,
+    state.json last, and renamed when finished, so a `step-*` directory holding resume/state.json is
+    one a run finished writing. Whether it is still intact (sizes, checksums, state.json itself) is
+    verify_checkpoint's question: a damaged newest checkpoint is an error naming the file, never
+    passed over in silence for an older one."""
+    return (Path(ckpt) / RESUME / STATE_JSON).is_file()
 
 
 def list_checkpoints(out: str | os.PathLike) -> list[tuple[int, Path]]:
@@ -85,6 +74,16 @@ def list_checkpoints(out: str | os.PathLike) -> list[tuple[int, Path]]:
         if m and p.is_dir() and is_complete(p):
             found.append((int(m.group(1)), p))
     return sorted(found)
+
+
+def unusable_checkpoints(out: str | os.PathLike) -> list[Path]:
+    """`step-*` directories without resume/state.json. A kill never leaves one (a checkpoint is
+    published by renaming its finished temp directory), so these were copied in part or emptied by
+    hand: the trainer names them instead of passing over them in silence."""
+    root = Path(out) / CHECKPOINTS
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if _STEP_DIR.match(p.name) and p.is_dir() and not is_complete(p))
 
 
 def latest_checkpoint(out: str | os.PathLike) -> Path | None:
@@ -153,10 +152,55 @@ def load_full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | N
         if tuple(model_sd[k].shape) != shape:
             raise DraftportError(f"resume state has {k} of shape {tuple(model_sd[k].shape)}, "
                                  f"the drafter needs {shape}")
+    if optimizer is not None and optim_sd is not None:
+        _check_optimizer_state(optim_sd, optimizer, set(want))
     opts = StateDictOptions(full_state_dict=True, strict=False)
     set_model_state_dict(model, model_sd, options=opts)
     if optimizer is not None and optim_sd is not None:
         set_optimizer_state_dict(model, optimizer, optim_sd, options=opts)
+
+
+def _check_optimizer_state(optim_sd: dict, optimizer: torch.optim.Optimizer, fqns: set[str]) -> None:
+    """The saved optimizer state must fit this optimizer: its parameters are the model's, its groups'
+    hyperparameters have values of the same kinds as the optimizer's own (a string lr would only fail
+    at the next step, deep inside torch). A hyperparameter the saved group lacks (written by an older
+    torch) takes the optimizer's value, as torch's own __setstate__ does."""
+    unknown = sorted(set(optim_sd["state"]) - fqns)
+    if unknown:
+        raise DraftportError(f"resume state holds optimizer state of unknown parameters {unknown[:4]}")
+    groups = optim_sd["param_groups"]
+    if len(groups) != len(optimizer.param_groups):
+        raise DraftportError(f"resume state has {len(groups)} optimizer parameter groups, the optimizer "
+                             f"{len(optimizer.param_groups)}")
+    for i, (saved, live) in enumerate(zip(groups, optimizer.param_groups)):
+        params = saved.get("params")
+        if not isinstance(params, list) or not all(isinstance(p, str) and p in fqns for p in params):
+            raise DraftportError(f"resume state's optimizer group {i} names parameters the model does not have")
+        for key, value in live.items():
+            if key == "params":
+                continue
+            if key not in saved:
+                saved[key] = value
+            elif not _same_kind(saved[key], value):
+                raise DraftportError(f"resume state's optimizer group {i} has {key}={saved[key]!r}, "
+                                     f"expected a value like {value!r}"[:300])
+
+
+def _same_kind(saved: Any, live: Any) -> bool:
+    """saved (from JSON) can stand in for live: bool for bool, finite number for number, None or a
+    bool for None (torch's foreach / fused: "default" or a choice), equal-length sequences of such."""
+    if live is None:
+        return saved is None or isinstance(saved, bool)
+    if isinstance(live, bool):
+        return isinstance(saved, bool)
+    if isinstance(live, (int, float)):
+        return isinstance(saved, (int, float)) and not isinstance(saved, bool) and math.isfinite(saved)
+    if isinstance(live, (list, tuple)):
+        return (isinstance(saved, (list, tuple)) and len(saved) == len(live)
+                and all(_same_kind(a, b) for a, b in zip(saved, live)))
+    if isinstance(live, torch.Tensor):  # e.g. a tensor lr: saved as a number
+        return isinstance(saved, (int, float)) and not isinstance(saved, bool) and math.isfinite(saved)
+    return isinstance(saved, type(live))
 
 
 def flatten_optimizer(osd: dict) -> tuple[dict[str, torch.Tensor], dict]:
@@ -180,7 +224,8 @@ def unflatten_optimizer(tensors: dict[str, torch.Tensor], meta: dict) -> dict:
         if fqn not in state:
             raise DraftportError(f"resume state holds optimizer tensor {name!r} of no known parameter")
         state[fqn][key] = val
-    groups = [{k: (tuple(v) if k == "betas" else v) for k, v in g.items()} for g in meta["param_groups"]]
+    groups = [{k: (tuple(v) if k == "betas" and isinstance(v, list) else v) for k, v in g.items()}
+              for g in meta["param_groups"]]
     return {"state": state, "param_groups": groups}
 
 
@@ -252,42 +297,130 @@ def write_checkpoint(out: str | os.PathLike, step: int, *, tensors: dict[str, to
             if p.is_file():
                 _fsync_file(p)
                 rel = p.relative_to(tmp).as_posix()
-                files[rel] = {"bytes": p.stat().st_size}
-        files[f"{RESUME}/{STATE_TENSORS}"]["sha256"] = sha256_file(state_path)
+                # every file is checksummed: a flipped byte in the engine files would reach <out>/final
+                files[rel] = {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
         body = dict(meta, format=FORMAT, step=step, files=files, complete=True)
+        body[STATE_DIGEST] = state_digest(body)
         meta_path = tmp / RESUME / STATE_JSON
         meta_path.write_text(json.dumps(body, indent=1) + "\n", "utf-8")
         _fsync_file(meta_path)
         if final.exists():  # same step written again (e.g. a rerun after --restart): replace it
             _remove_dir(final)
         atomic_rename_dir(str(tmp), str(final))
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
+        if is_disk_full(exc):  # the previous checkpoints are untouched: a rerun resumes from the newest
+            raise disk_full(final, f"checkpoint step {step}") from exc
         raise
     if keep_last:
         prune(out, keep_last)
     return final
 
 
-def read_checkpoint(ckpt: str | os.PathLike, verify: bool = True) -> tuple[dict, dict[str, torch.Tensor]]:
-    """(meta, tensors) of a checkpoint's resume state; the tensor file's sha256 is checked."""
+def state_digest(meta: dict) -> str | None:
+    """sha256 of state.json's content (canonical JSON, without the digest itself): state.json lists
+    the other files' checksums, so it carries its own too. None if the content cannot be re-encoded."""
+    body = {k: v for k, v in meta.items() if k != STATE_DIGEST}
+    try:
+        text = json.dumps(body, sort_keys=True, separators=(",", ":"))
+    except (ValueError, RecursionError):
+        return None
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def verify_checkpoint(ckpt: str | os.PathLike, checksums: bool = True) -> dict:
+    """A checkpoint's state.json, once it has passed every check: it parses and says complete, its own
+    digest and its structure hold, and every file it lists is there with the recorded size (and, with
+    `checksums`, sha256). Anything else is a one-line error naming the damaged file."""
     ckpt = Path(ckpt)
     meta_path = ckpt / RESUME / STATE_JSON
-    state_path = ckpt / RESUME / STATE_TENSORS
     meta = read_json(meta_path)
     if meta.get("format") != FORMAT or not meta.get("complete"):
         raise DraftportError(f"not a complete {FORMAT} resume state", meta_path)
-    if not state_path.is_file():
-        raise DraftportError("resume tensors missing", state_path)
-    want = meta.get("files", {}).get(f"{RESUME}/{STATE_TENSORS}", {}).get("sha256")
-    if verify and want != sha256_file(state_path):
-        raise DraftportError("checksum mismatch (corrupted checkpoint; delete it or rerun with --restart)",
-                             state_path)
+    fix = "corrupted checkpoint: delete its directory to resume from the one before, or rerun with --restart"
+    if checksums and STATE_DIGEST in meta and meta[STATE_DIGEST] != state_digest(meta):
+        raise DraftportError(f"checksum mismatch ({fix})", meta_path)
+    check_resume_meta(meta, meta_path)
+    if checksums and not meta["files"][f"{RESUME}/{STATE_TENSORS}"].get("sha256"):
+        raise DraftportError(f"no checksum recorded for {RESUME}/{STATE_TENSORS}", meta_path)
+    for rel, info in sorted(meta["files"].items()):
+        path = ckpt / rel
+        if Path(rel).is_absolute() or ".." in Path(rel).parts or not isinstance(info, dict):  # never hash /dev/zero
+            raise DraftportError(f"lists {rel!r}, not a file of this checkpoint"[:200], meta_path)
+        if not path.is_file():
+            raise DraftportError(f"missing ({fix})", path)
+        if path.stat().st_size != info.get("bytes"):
+            raise DraftportError(f"is {path.stat().st_size} bytes, state.json records {info.get('bytes')!r} ({fix})"
+                                 [:300], path)
+        want = info.get("sha256")
+        if checksums and want is not None and sha256_file(path) != want:
+            raise DraftportError(f"checksum mismatch ({fix})", path)
+    return meta
+
+
+def read_checkpoint(ckpt: str | os.PathLike, verify: bool = True) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(meta, tensors) of a checkpoint's resume state, through verify_checkpoint (checksums only
+    with `verify`: a caller that already verified it passes False)."""
+    ckpt = Path(ckpt)
+    state_path = ckpt / RESUME / STATE_TENSORS
+    meta = verify_checkpoint(ckpt, checksums=verify)
     try:
         tensors = load_file(str(state_path))
     except (SafetensorError, OSError, ValueError) as exc:
         raise DraftportError(f"unreadable safetensors ({' '.join(str(exc).split())})", state_path)
     return meta, tensors
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _words(x: Any, n: int) -> bool:
+    return isinstance(x, list) and len(x) == n and all(_is_int(w) and 0 <= w < 2**32 for w in x)
+
+
+def _host_rng_ok(state: Any) -> bool:
+    """The python / numpy generator states host_rng_state writes (Mersenne Twister, 624 words)."""
+    if not isinstance(state, dict) or not isinstance(state.get("python"), list) or not isinstance(state.get("numpy"), list):
+        return False
+    if len(state["python"]) != 3 or len(state["numpy"]) != 5:
+        return False
+    version, mt, gauss = state["python"]
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    return (version == 3 and _words(mt, 625) and mt[-1] <= 624 and (gauss is None or isinstance(gauss, float))
+            and name == "MT19937" and _words(keys, 624) and _is_int(pos) and 0 <= pos <= 624
+            and has_gauss in (0, 1) and not isinstance(has_gauss, bool)
+            and isinstance(cached, (int, float)) and not isinstance(cached, bool))
+
+
+def check_resume_meta(meta: dict, where: str | os.PathLike) -> None:
+    """The resume JSON has the shape restore and train.py rely on; else one line naming the key.
+
+    state.json is not covered by a checksum (it holds the others), so its structure is checked here,
+    before anything is restored from it."""
+    def bad(problem: str) -> DraftportError:
+        return DraftportError(f"resume state: {problem}", where)
+
+    if not _is_int(meta.get("step")) or meta["step"] < 0:
+        raise bad("'step' must be a non-negative integer")
+    files = meta.get("files")
+    if not isinstance(files, dict) or not isinstance(files.get(f"{RESUME}/{STATE_TENSORS}"), dict):
+        raise bad(f"'files' must list {RESUME}/{STATE_TENSORS}")
+    for key in ("config", "last_metrics", "data", "scheduler"):
+        if key in meta and not isinstance(meta[key], dict):
+            raise bad(f"'{key}' must be a JSON object")
+    if meta.get("initial_val") is not None and not isinstance(meta["initial_val"], dict):
+        raise bad("'initial_val' must be a JSON object or null")
+    opt = meta.get("optimizer")
+    if "optimizer" in meta:
+        ok = (isinstance(opt, dict) and isinstance(opt.get("fqns"), list) and all(isinstance(f, str) for f in opt["fqns"])
+              and isinstance(opt.get("param_groups"), list) and all(isinstance(g, dict) for g in opt["param_groups"])
+              and isinstance(opt.get("scalars"), dict) and all(
+                  isinstance(v, dict) and k in opt["fqns"] for k, v in opt["scalars"].items()))
+        if not ok:
+            raise bad("'optimizer' must hold 'fqns' (names), 'param_groups' (objects) and 'scalars' (objects by name)")
+    if "host_rng" in meta and not _host_rng_ok(meta["host_rng"]):
+        raise bad("'host_rng' is not a python/numpy generator state")
 
 
 def split_state(tensors: dict[str, torch.Tensor], meta: dict) -> tuple[dict[str, torch.Tensor], dict]:
@@ -316,6 +449,8 @@ RUN_DIRS = (CHECKPOINTS, "tb", "final")
 
 def config_mismatch(old: dict, new: dict) -> str | None:
     """'key: old now new' for the first key (sorted) whose value differs, else None."""
+    if not isinstance(old, dict):  # a hand-edited or foreign file: a difference, not a crash
+        return f"the recorded settings are a JSON {type(old).__name__}, not an object"
     for key in sorted(set(old) | set(new)):
         if old.get(key) != new.get(key):
             return f"{key}: {old.get(key)!r} now {new.get(key)!r}"
@@ -384,10 +519,15 @@ def save_training_state(out: str | os.PathLike, step: int, model, optimizer, inf
     return checkpoint_dir(out, step)
 
 
-def restore_training_state(ckpt: str | os.PathLike, model, optimizer, info, skip: tuple[str, ...] = ()) -> dict:
+def restore_training_state(ckpt: str | os.PathLike, model, optimizer, info, skip: tuple[str, ...] = (),
+                           verify: bool = True) -> dict:
     """Every rank: load a checkpoint's full state into the (sharded) model and optimizer and restore
-    this rank's RNG states; returns the checkpoint's JSON state."""
-    meta, tensors = read_checkpoint(ckpt)
+    this rank's RNG states; returns the checkpoint's JSON state. verify=False: checksums were checked
+    already (verify_checkpoint)."""
+    meta, tensors = read_checkpoint(ckpt, verify=verify)
+    missing = [k for k in ("optimizer", "host_rng") if k not in meta]
+    if missing:
+        raise DraftportError(f"resume state lacks {', '.join(missing)}", Path(ckpt) / RESUME / STATE_JSON)
     model_sd, optim_sd = split_state(tensors, meta)
     load_full_state(model, optimizer, model_sd, optim_sd, skip=skip)
     set_rng_tensors(tensors, info.rank, info.device)

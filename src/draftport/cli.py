@@ -14,7 +14,7 @@ import importlib
 import os
 import sys
 
-from draftport.errors import DraftportError
+from draftport.errors import DraftportError, is_disk_full
 
 # verb -> (module, config dataclass, main function). The config's fields carry the same names as the
 # argparse dests below; `config_from_args` copies the ones the dataclass declares.
@@ -117,6 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--aux-layers", type=_int_list, default=None, help="'input of decoder layer i' ids (default 2,L//2,L-3)")
     p.add_argument("--regenerate", action="store_true", help="replace assistant turns with the target's own responses")
     p.add_argument("--samples-per-prompt", type=int, default=1)
+    p.add_argument("--regen-batch-size", type=int, default=None,
+                   help="regeneration: prompts per batched generate (default --batch-size; GPUs want hundreds)")
     p.add_argument("--save-data", default=None, help="keep the regenerated conversations as JSONL")
     p.add_argument("--max-new-tokens", type=int, default=None, help="regeneration: tokens per response")
     p.add_argument("--temperature", type=float, default=0.0, help="regeneration temperature")
@@ -136,6 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--val-every", type=int, default=None)
     p.add_argument("--save-every", type=int, default=None)
     p.add_argument("--keep-last", type=int, default=None)
+    p.add_argument("--max-nonfinite-steps", type=int, default=5,
+                   help="NaN/Inf loss steps are skipped; this many in a row stop the run (exit 2)")
 
     p = sub.add_parser("eval", help="online τ and tok/s vs no speculation")
     _add_common(p, target=True, out=True, samples=True, device=True, seed=True, template=True, gen=True)
@@ -183,6 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--depth", type=int, default=3, help="chain depth of every eval")
     p.add_argument("--lr", type=float, default=None, help="training learning rate")
     p.add_argument("--regenerate", action="store_true", help="target B writes the assistant turns before capture")
+    p.add_argument("--regen-batch-size", type=int, default=None, help="regeneration: prompts per batched generate")
     p.add_argument("--restart", action="store_true", help="start the study over instead of resuming")
     _add_common(p, data=True, out=True, samples=True, device=True, seed=True, template=True)
 
@@ -218,6 +223,11 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # an internal bug: still one line, with the way to see more
         if args.debug:
             raise
+        if is_disk_full(exc):  # a writer that does not name its file: still the user's problem, not a bug
+            where = f"{exc.filename}: " if getattr(exc, "filename", None) else ""
+            print(f"draftport: {where}no space left on device; free space and rerun the same command to resume",
+                  file=sys.stderr)
+            return DraftportError.exit_code
         msg = " ".join(f"{type(exc).__name__}: {exc}".split())
         print(f"draftport: internal error: {msg} (rerun with --debug for the traceback)", file=sys.stderr)
         return 1

@@ -507,6 +507,7 @@ _STYLE = {"error": "bold red", "warning": "yellow", "info": "dim"}
 
 def render(result: dict) -> None:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     console = Console()
@@ -534,7 +535,7 @@ def render(result: dict) -> None:
         row = [f"[{_STYLE[f['severity']]}]{f['severity']}[/]", f["code"]]
         row += [f.get("engine", "")] if show_engine else []
         row += [f.get("about", "")] if show_about else []
-        table.add_row(*row, f["message"])
+        table.add_row(*row, escape(f["message"]))  # messages quote config values: text, never rich markup
     if result["findings"]:
         console.print(table)
     console.print(f"[dim]{result['bytes_read']} bytes read[/]")

@@ -56,11 +56,16 @@ class LoadStats:
 
 # ---- reading ------------------------------------------------------------------------------------
 
+MAX_RECORD_BYTES = 64 * 1024 * 1024  # one record of a JSON array; ShareGPT's largest is ~0.5 MB
+
+
 def iter_json_array(f, path: str, stats: LoadStats | None = None, chunk: int = 1 << 20) -> Iterator[object]:
     """Yield the elements of a top-level JSON array from a binary stream without reading it whole.
 
     A file that ends inside an element (truncated download) yields the complete elements and sets
-    stats.truncated; anything else that does not parse is an error naming the line."""
+    stats.truncated; anything else that does not parse is an error naming the line. Memory stays
+    bounded: a parse error that more text cannot fix is reported at once (not after reading the rest
+    of the file), and one element may not exceed MAX_RECORD_BYTES."""
     decoder = json.JSONDecoder()
     utf8 = codecs.getincrementaldecoder("utf-8")()
     buf, pos, line_base, eof, started = "", 0, 1, False, False
@@ -69,7 +74,7 @@ def iter_json_array(f, path: str, stats: LoadStats | None = None, chunk: int = 1
         nonlocal buf, pos, line_base, eof
         if eof:
             return False
-        data = f.read(chunk)
+        data = f.read(max(chunk, len(buf) - pos))  # doubling: a long record is re-parsed O(log n) times
         try:
             text = utf8.decode(data, final=not data)
         except UnicodeDecodeError:
@@ -99,19 +104,33 @@ def iter_json_array(f, path: str, stats: LoadStats | None = None, chunk: int = 1
             started, pos = True, pos + 1
             continue
         if buf[pos] == "]":
-            return
+            pos += 1
+            while True:  # only whitespace may follow, whatever the chunk size (read and dropped as it comes)
+                extra = len(buf) - pos - len(buf[pos:].lstrip(" \t\r\n"))
+                if pos + extra < len(buf):
+                    line = line_base + buf.count("\n", 0, pos + extra)
+                    raise DraftportError(f"data after the end of the JSON array (line {line})", path)
+                pos = len(buf)
+                if not more():
+                    return
         try:
             obj, end = decoder.raw_decode(buf, pos)
         except json.JSONDecodeError as exc:
-            if more():
-                continue
-            # the element was cut off iff the decoder failed inside the text's last, unfinished token
+            # only an element cut off by the end of the text read so far (the decoder failed inside its
+            # last, unfinished token) can be completed by reading on; anything else is malformed now
             if _cut_off(exc, buf):
+                if len(buf) - pos > MAX_RECORD_BYTES:
+                    raise DraftportError(f"the record starting near line {line_base + buf.count(chr(10), 0, pos)} "
+                                         f"is longer than {MAX_RECORD_BYTES} bytes", path)
+                if more():
+                    continue
                 if stats is not None:
                     stats.truncated = True
                 return
             line = line_base + buf.count("\n", 0, exc.pos)
             raise DraftportError(f"malformed JSON at line {line}: {exc.msg}", path)
+        except ValueError:  # an integer of more than 4300 digits, which Python refuses to convert
+            raise DraftportError(f"integer too long to parse near line {line_base + buf.count(chr(10), 0, pos)}", path)
         except RecursionError:
             raise DraftportError(f"JSON nested too deeply near line {line_base + buf.count(chr(10), 0, pos)}", path)
         if not isinstance(obj, (dict, list, str)) and (end == len(buf) or buf[end] not in ",] \t\r\n") and more():
@@ -134,7 +153,8 @@ def _cut_off(exc: json.JSONDecodeError, text: str) -> bool:
         return True
     if exc.msg.startswith("Invalid \\uXXXX escape"):
         return bool(_ESCAPE_PREFIX.fullmatch(rest))
-    return any(w.startswith(rest) for w in ("true", "false", "null")) or bool(_NUMBER_PREFIX.fullmatch(rest))
+    return (any(w.startswith(rest) for w in ("true", "false", "null", "NaN", "Infinity", "-Infinity"))
+            or bool(_NUMBER_PREFIX.fullmatch(rest)))
 
 
 def _text(value, path: str, where: str) -> str:
@@ -167,7 +187,7 @@ def record_to_conversation(rec, path: str, where: str, strict: bool = True) -> C
                 if not isinstance(m, dict):
                     raise DraftportError(f"{where}: each message must be an object", path)
                 role = m.get("from", m.get("role"))
-                if role not in ROLE_ALIASES:
+                if not isinstance(role, str) or role not in ROLE_ALIASES:  # a list or object is not hashable
                     raise DraftportError(f"{where}: unknown role {role!r} (expected human/gpt/system or "
                                          "user/assistant/system)", path)
                 msgs.append({"role": ROLE_ALIASES[role], "content": _text(m.get("value", m.get("content")), path, where)})

@@ -197,6 +197,8 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(H, I, bias=bias)
         self.down_proj = nn.Linear(I, H, bias=bias)
         from transformers.activations import ACT2FN  # the same activation table HF Llama uses
+        if spec.hidden_act not in ACT2FN:
+            raise DraftportError(f"unknown hidden_act {spec.hidden_act!r}"[:200], spec.source)
         self.act_fn = ACT2FN[spec.hidden_act]
 
     def forward(self, x: Tensor) -> Tensor:
@@ -241,12 +243,16 @@ def _rope_inv_freq(spec: DrafterSpec) -> tuple[Tensor, float]:
     scaling = dict(spec.rope_scaling) if spec.rope_scaling else None
     if scaling is not None and "rope_type" not in scaling and "type" in scaling:
         scaling["rope_type"] = scaling["type"]
-    cfg = LlamaConfig(hidden_size=spec.hidden_size, num_attention_heads=spec.num_attention_heads,
-                      num_key_value_heads=spec.num_key_value_heads, head_dim=spec.head_dim,
-                      rope_theta=float(spec.rope_theta), rope_scaling=scaling,
-                      max_position_embeddings=spec.max_position_embeddings)
-    with torch.device("cpu"):
-        rotary = LlamaRotaryEmbedding(cfg)
+    try:  # the config's RoPE settings meet transformers' validation, which raises a zoo of exception types
+        cfg = LlamaConfig(hidden_size=spec.hidden_size, num_attention_heads=spec.num_attention_heads,
+                          num_key_value_heads=spec.num_key_value_heads, head_dim=spec.head_dim,
+                          rope_theta=float(spec.rope_theta), rope_scaling=scaling,
+                          max_position_embeddings=spec.max_position_embeddings)
+        with torch.device("cpu"):
+            rotary = LlamaRotaryEmbedding(cfg)
+    except Exception as exc:
+        raise DraftportError(f"transformers refuses these attention / RoPE settings ({type(exc).__name__}: "
+                             f"{' '.join(str(exc).split())[:200]})", spec.source)
     return rotary.inv_freq.detach().float().clone(), float(rotary.attention_scaling)
 
 

@@ -440,7 +440,7 @@ class SpecEngine:
             lv = levels[-1]
             slots = base + (d - 1) * K + torch.arange(K, device=dev)
             anc = anc.clone()
-            anc[torch.arange(K, device=dev), slots] = True
+            anc.scatter_(1, slots[:, None], True)                          # scatter: index_put syncs on CUDA
             mask = (self._ar[None, :] < n) | anc                          # prefix + own ancestors + self
             pos = torch.full((K,), n - 1 + d, dtype=torch.long, device=dev)
             hk, dlk = self.drafter_step(front_h, lv.tokens[lv.frontier], pos, slots, mask)

@@ -38,6 +38,7 @@ from draftport.safeio import atomic_rename_dir, atomic_write_json
 from draftport.spec import DrafterSpec, TargetSpec
 
 FORMATS = ("sglang", "vllm", "speculators")
+MAX_INVENTED_BYTES = 64 << 20  # tensors a checkpoint lacks are initialised; beyond this, only as much as it holds
 WEIGHTS = "model.safetensors"
 _TORCH_TO_CONFIG = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
@@ -90,6 +91,8 @@ class LoadReport:
     missing: list[str] = field(default_factory=list)     # tensors the config implies that no file holds
     unexpected: list[str] = field(default_factory=list)  # tensors in the files the config does not imply
     embedding: bool = False                     # embed_tokens.weight came from the checkpoint
+    not_read: list[str] = field(default_factory=list)    # pickles beside the weights, never opened (e.g.
+                                                         # SpecForge's training_state.pt: optimizer state)
     dtype: str = "float32"                      # dtype the model was built in
 
     def summary(self) -> str:
@@ -114,8 +117,9 @@ def _load_pickle(path: str) -> dict[str, torch.Tensor]:
     return obj
 
 
-def _read_tensors(directory: str) -> tuple[dict[str, tuple[torch.Tensor, str]], list[str]]:
-    """{name: (tensor, file)} from the top-level safetensors (or, failing those, pytorch_model*.bin)."""
+def _read_tensors(directory: str) -> tuple[dict[str, tuple[torch.Tensor, str]], list[str], list[str]]:
+    """({name: (tensor, file)}, files read, pickles not read) from the top-level safetensors (or,
+    failing those, pytorch_model*.bin through weights_only). Any other pickle is never opened."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
@@ -134,7 +138,10 @@ def _read_tensors(directory: str) -> tuple[dict[str, tuple[torch.Tensor, str]], 
     if not files:
         bins = sorted(p for p in inv.pickles if os.path.basename(p).startswith("pytorch_model") and p.endswith(".bin"))
         if not bins:
-            raise DraftportError("no weights found (expected model.safetensors, *.safetensors or pytorch_model.bin)",
+            others = ", ".join(os.path.basename(p) for p in inv.pickles)
+            raise DraftportError("no weights found (expected model.safetensors, *.safetensors or pytorch_model.bin)"
+                                 + (f"; not opened: {others} (pickles run code when loaded; draftport unpickles only "
+                                    "pytorch_model*.bin, through torch.load(weights_only=True))" if others else ""),
                                  directory)
         for f in bins:
             for name, t in _load_pickle(f).items():
@@ -142,21 +149,25 @@ def _read_tensors(directory: str) -> tuple[dict[str, tuple[torch.Tensor, str]], 
                     raise DraftportError(f"tensor {name!r} is also in {out[name][1]}", f)
                 out[name] = (t, f)
         files = bins
-    return out, files
+    return out, files, [p for p in inv.pickles if p not in files]
 
 
 def load_drafter(path: str | os.PathLike, *, device=None, dtype: torch.dtype | str | None = None
                  ) -> tuple[Eagle3Drafter, LoadReport]:
     """Any supported drafter directory -> (Eagle3Drafter, LoadReport). dtype None: the checkpoint's."""
+    from draftport.inventory import PICKLE_SUFFIXES
     from draftport.spec import load_drafter_spec
 
     path = os.fspath(path)
+    if os.path.isfile(path) and path.endswith(PICKLE_SUFFIXES):  # e.g. SpecForge's training_state.pt
+        raise DraftportError("is a pickle, which draftport never opens (unpickling can run any code); pass the "
+                             "drafter's directory (config.json + *.safetensors)", path)
     directory = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
     spec = load_drafter_spec(path)
     if spec.tie_word_embeddings:
         raise DraftportError("tie_word_embeddings=true (lm_head shared with the embedding) is not supported "
                              "for EAGLE-3 drafters", spec.source)
-    tensors, files = _read_tensors(directory)
+    tensors, files, not_read = _read_tensors(directory)
     sglang_extra = sorted(n for n in tensors if n.startswith(("additional_layers.", "model.additional_layers.")))
     if sglang_extra:
         # SGLang's additional_layers norm with hidden_norm and drop layer 0's residual: a different
@@ -169,31 +180,47 @@ def load_drafter(path: str | os.PathLike, *, device=None, dtype: torch.dtype | s
         dtype = fc.dtype if fc is not None and fc.is_floating_point() else resolve_dtype(spec.dtype)
     device = torch.device(device or "cpu")
     model = Eagle3Drafter(spec, device="meta", dtype=dtype)
-    model.to_empty(device=device)               # no init yet: loaded tensors overwrite it
-    expected = {n: tuple(t.shape) for n, t in model.state_dict().items()}
+    meta_sd = model.state_dict()
+    expected = {n: tuple(t.shape) for n, t in meta_sd.items()}
 
-    report = LoadReport(path=directory, layout=spec.layout, files=files, dtype=_TORCH_TO_CONFIG.get(dtype, str(dtype)))
+    # every check that the files fit the config runs on the meta model, before anything is allocated
+    report = LoadReport(path=directory, layout=spec.layout, files=files, dtype=_TORCH_TO_CONFIG.get(dtype, str(dtype)),
+                        not_read=not_read)
     loaded: dict[str, str] = {}                 # canonical -> name in the file
-    with torch.no_grad():
-        for name in sorted(tensors):
-            t, f = tensors[name]
-            canon = canonical_name(name)
-            if canon not in expected:
-                report.unexpected.append(name)
-                continue
-            if canon in loaded:
-                raise DraftportError(f"tensor {name!r} and {loaded[canon]!r} are the same tensor in different layouts", f)
-            if tuple(t.shape) != expected[canon]:
-                raise DraftportError(f"tensor {name!r} has shape {list(t.shape)} but the config implies "
-                                     f"{list(expected[canon])}", f)
-            target = model.get_buffer(canon) if canon in ("d2t", "t2d") else model.get_parameter(canon)
-            target.copy_(t)
-            loaded[canon] = name
+    for name in sorted(tensors):
+        t, f = tensors[name]
+        canon = canonical_name(name)
+        if canon not in expected:
+            report.unexpected.append(name)
+            continue
+        if canon in loaded:
+            raise DraftportError(f"tensor {name!r} and {loaded[canon]!r} are the same tensor in different layouts", f)
+        if tuple(t.shape) != expected[canon]:
+            raise DraftportError(f"tensor {name!r} has shape {list(t.shape)} but the config implies "
+                                 f"{list(expected[canon])}", f)
+        loaded[canon] = name
     identity_vocab = spec.draft_vocab_size == spec.vocab_size
     for canon in expected:
         if canon in loaded or canon == "embed_tokens.weight" or (identity_vocab and canon in ("d2t", "t2d")):
             continue
         report.missing.append(canon)
+    # missing tensors are invented (init_weights) and so really take memory: a config may not make up
+    # more than the files hold (a hostile or mistyped size would otherwise fill the machine)
+    nbytes = {n: t.numel() * t.element_size() for n, t in meta_sd.items()}
+    invented = sum(nbytes[n] for n in report.missing)
+    if invented > max(sum(nbytes[n] for n in loaded), MAX_INVENTED_BYTES):
+        raise DraftportError(f"the config implies {invented / 2**20:.0f} MiB of weights that no file holds "
+                             f"(missing {', '.join(report.missing[:4])}{' …' if len(report.missing) > 4 else ''}); "
+                             "config and weights do not belong together", spec.source)
+    try:
+        model.to_empty(device=device)           # no init yet: loaded tensors overwrite it
+    except RuntimeError as exc:                 # the allocator's refusal: sizes no machine holds
+        raise DraftportError(f"cannot allocate the {sum(nbytes.values()) / 2**30:.1f} GiB this config implies "
+                             f"({' '.join(str(exc).split())[:120]})", spec.source)
+    with torch.no_grad():
+        for canon, name in loaded.items():
+            target = model.get_buffer(canon) if canon in ("d2t", "t2d") else model.get_parameter(canon)
+            target.copy_(tensors[name][0])
     skip = set(loaded) | {"embed_tokens.weight"}
     model.init_weights(0, skip=skip)            # deterministic values for whatever is missing
     report.embedding = "embed_tokens.weight" in loaded

@@ -9,7 +9,6 @@ Pickled `.bin` / `.pt` files are listed, never opened.
 from __future__ import annotations
 
 import json
-import math
 import os
 import struct
 from dataclasses import dataclass, field
@@ -18,7 +17,7 @@ from draftport.errors import bad_input
 from draftport.safeio import read_json
 from draftport.spec import DrafterSpec
 
-MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors format's own limit on the JSON header
+MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own limit on the JSON header (decimal, not MiB)
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 # safetensors dtype -> bytes per element
 DTYPE_SIZES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "I16": 2, "F16": 2,
@@ -159,26 +158,57 @@ def read_safetensors_header(path: str) -> tuple[dict[str, TensorInfo], int]:
             raw = f.read(n)
     except OSError as exc:
         raise bad_input(path, f"cannot read: {exc.strerror or exc}")
-    try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
-        raise bad_input(path, "safetensors header is not valid JSON (not a safetensors file?)")
-    if not isinstance(header, dict):
-        raise bad_input(path, f"safetensors header must be a JSON object, got {type(header).__name__}")
+    header = parse_header_json(raw, path)
     data_len = size - 8 - n
+    meta = header.get("__metadata__")
+    if meta is not None and (not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values())):
+        raise bad_input(path, "safetensors __metadata__ must map names to strings")
     tensors: dict[str, TensorInfo] = {}
+    spans = []
     for name, entry in header.items():
         if name == "__metadata__":
             continue
         tensors[name] = _tensor_entry(path, name, entry, data_len)
+        spans.append((entry["data_offsets"][0], entry["data_offsets"][1], name))
+    check_coverage(path, spans, data_len)
     return tensors, 8 + n
+
+
+def _no_constants(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+def parse_header_json(raw: bytes, path: str) -> dict:
+    """A safetensors header as the Rust library parses it: strict JSON (no NaN / Infinity, which
+    Python's json would take), one object."""
+    try:
+        header = json.loads(raw.decode("utf-8"), parse_constant=_no_constants)
+    except (UnicodeDecodeError, ValueError, RecursionError):  # ValueError: JSON, constants, 4300+ digit ints
+        raise bad_input(path, "safetensors header is not valid JSON (not a safetensors file?)")
+    if not isinstance(header, dict):
+        raise bad_input(path, f"safetensors header must be a JSON object, got {type(header).__name__}")
+    return header
+
+
+def check_coverage(path: str, spans: list[tuple[int, int, str]], data_len: int) -> None:
+    """Tensors must tile the data section exactly, as the safetensors library requires (in order of
+    offsets, each starts where the previous ended, the last ends at the end of the file): no gaps, no
+    overlaps, no trailing bytes. Anything else is a file engines refuse to load."""
+    pos = 0
+    for begin, end, name in sorted(spans):
+        if begin != pos:
+            what = "overlaps the tensor before it" if begin < pos else f"leaves a gap at bytes [{pos}, {begin})"
+            raise bad_input(path, f"tensor {name!r}: data offsets [{begin}, {end}] {what}")
+        pos = end
+    if pos != data_len:
+        raise bad_input(path, f"tensors cover {pos} of the {data_len} data bytes (the rest belongs to no tensor)")
 
 
 def _tensor_entry(path: str, name: str, entry, data_len: int) -> TensorInfo:
     if not isinstance(entry, dict):
         raise bad_input(path, f"tensor {name!r}: header entry is not an object")
     dtype, shape, offs = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-    if dtype not in DTYPE_SIZES:
+    if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:  # a list or object is not even hashable
         raise bad_input(path, f"tensor {name!r}: unknown dtype {dtype!r}"[:200])
     if not isinstance(shape, list) or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in shape):
         raise bad_input(path, f"tensor {name!r}: shape must be a list of non-negative integers")
@@ -188,7 +218,12 @@ def _tensor_entry(path: str, name: str, entry, data_len: int) -> TensorInfo:
     begin, end = offs
     if not 0 <= begin <= end <= data_len:
         raise bad_input(path, f"tensor {name!r}: data offsets [{begin}, {end}] out of range (data section is {data_len} bytes)")
-    if end - begin != math.prod(shape) * DTYPE_SIZES[dtype]:
+    count = 1
+    for d in shape:  # as safetensors computes it: in 64 bits, every partial product checked (even before a 0)
+        count *= d
+        if count >= 2**64:
+            raise bad_input(path, f"tensor {name!r}: shape {shape} overflows 64 bits")
+    if end - begin != count * DTYPE_SIZES[dtype]:
         raise bad_input(path, f"tensor {name!r}: {end - begin} bytes of data for shape {shape} {dtype}")
     return TensorInfo(tuple(shape), dtype, path)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 import tempfile
 from typing import Any, Iterator
 
@@ -36,6 +37,8 @@ def read_json(path: str | os.PathLike, *, expect: type | None = dict, max_bytes:
         raise bad_input(path, "not UTF-8 text (is it a binary or pickle file?)")
     except json.JSONDecodeError as exc:
         raise bad_input(path, f"malformed JSON at line {exc.lineno} column {exc.colno}: {exc.msg}")
+    except ValueError:  # Python refuses to convert integers of more than 4300 digits (CVE-2020-10735)
+        raise bad_input(path, f"holds an integer too long to parse (over {sys.get_int_max_str_digits()} digits)")
     except RecursionError:
         raise bad_input(path, "JSON nested too deeply")
     if expect is not None and not isinstance(obj, expect):
@@ -43,20 +46,32 @@ def read_json(path: str | os.PathLike, *, expect: type | None = dict, max_bytes:
     return obj
 
 
-def iter_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, Any]]:
-    """Yield (line number, object) for each non-empty line; a malformed line is an error naming it."""
+def iter_jsonl(path: str | os.PathLike, *, max_line_bytes: int = MAX_JSON_BYTES) -> Iterator[tuple[int, Any]]:
+    """Yield (line number, object) for each non-empty line; a malformed line is an error naming it.
+
+    Lines are read with a length cap: a file with no line breaks (a binary, a sparse file) is
+    refused after max_line_bytes, never read into memory whole.
+    """
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise bad_input(path, "no such file")
     with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, 1):
+        lineno = 0
+        while True:
+            raw = f.readline(max_line_bytes + 1)
+            if not raw:
+                return
+            lineno += 1
+            if len(raw) > max_line_bytes:
+                raise bad_input(path, f"line {lineno} is longer than {max_line_bytes} bytes")
             line = raw.strip()
             if not line:
                 continue
             try:
-                yield lineno, json.loads(line.decode("utf-8"))
-            except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+                obj = json.loads(line.decode("utf-8"))
+            except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # ValueError: JSON, or a 4300+ digit int
                 raise bad_input(path, f"line {lineno} is not valid JSON ({type(exc).__name__})")
+            yield lineno, obj
 
 
 def _fsync_dir(dirname: str) -> None:

@@ -194,7 +194,7 @@ def build_tree(tokens: torch.Tensor, parents: torch.Tensor, depths: torch.Tensor
     ar = torch.arange(N, device=device)
     # One-hot parent matrix P[i, parent(i)]; ancestors-or-self = I + P + P² + … (depth ≤ max_depth).
     P = torch.zeros(N, N, device=device)
-    P[ar[1:], parents[1:]] = 1.0
+    P[1:].scatter_(1, parents[1:, None], 1.0)  # a scalar index_put would copy 1.0 host→device: a sync
     anc = torch.eye(N, device=device)
     step = torch.eye(N, device=device)
     for _ in range(max_depth):

@@ -119,6 +119,14 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "gemma3": {"tie_word_embeddings": True, "rope_theta": 1000000.0},
 }
 
+# Upper bounds no real model comes near. Past them a config is corrupt or hostile, and building from
+# it would allocate or loop without end (a drafter of 2**31 layers, a RoPE table 2**31 wide).
+LIMITS: dict[str, int] = {
+    "size": 2**31 - 1,      # any size or count in a config (engines index tensors with int32)
+    "head_dim": 65536,      # real heads are 64–256 wide (MLA: 192)
+    "drafter_layers": 64,   # EAGLE-3 drafters have 1 decoder layer, speculators' a few
+}
+
 SGLANG_ARCHS = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 MLA_ARCHS = ("Eagle3DeepseekV2ForCausalLM", "Eagle3DeepseekV3ForCausalLM")
 EMBEDDED_TARGET = "gemma-3-270m"
@@ -133,7 +141,8 @@ def default_aux_layers(num_layers: int) -> list[int]:
 
 # ---------------------------------------------------------------------------------------------
 # small typed getters: every problem is one line naming the file and the key
-def _int(d: dict, key: str, source: str, default: Any = ..., *, minimum: int = 1) -> Any:
+def _int(d: dict, key: str, source: str, default: Any = ..., *, minimum: int = 1, maximum: int | None = None) -> Any:
+    maximum = LIMITS["size"] if maximum is None else maximum
     if key not in d or d[key] is None:
         if default is ...:
             raise bad_input(source, f"missing key '{key}'")
@@ -145,6 +154,8 @@ def _int(d: dict, key: str, source: str, default: Any = ..., *, minimum: int = 1
         raise bad_input(source, f"'{key}' must be an integer, got {type(v).__name__} {v!r}"[:200])
     if v < minimum:
         raise bad_input(source, f"'{key}' must be >= {minimum}, got {v}")
+    if v > maximum:
+        raise bad_input(source, f"'{key}' is {v}, more than the {maximum} any real model has (corrupt or hostile config?)")
     return v
 
 
@@ -295,6 +306,8 @@ def drafter_spec_from_dict(d: dict, source: str = "<dict>") -> DrafterSpec:
         if head_dim is None:  # MLA q/k heads are nope + rope wide, not hidden / heads
             head_dim = mla["qk_nope_head_dim"] + mla["qk_rope_head_dim"]
 
+    if head_dim > LIMITS["head_dim"]:
+        raise bad_input(source, f"head_dim {head_dim} is more than the {LIMITS['head_dim']} any real model has")
     rope_theta, rope_scaling = _rope(layer, source, DEFAULTS["rope_theta"])
     return DrafterSpec(
         source=source,
@@ -306,7 +319,8 @@ def drafter_spec_from_dict(d: dict, source: str = "<dict>") -> DrafterSpec:
         num_attention_heads=heads,
         num_key_value_heads=_int(layer, "num_key_value_heads", source, heads),
         head_dim=head_dim,
-        num_layers=_int(layer, "num_hidden_layers", source, DEFAULTS["num_hidden_layers"]),
+        num_layers=_int(layer, "num_hidden_layers", source, DEFAULTS["num_hidden_layers"],
+                        maximum=LIMITS["drafter_layers"]),
         vocab_size=vocab,
         draft_vocab_size=draft_vocab,
         aux_layer_ids=aux,
@@ -386,6 +400,8 @@ def target_spec_from_dict(d: dict, source: str = "<dict>") -> TargetSpec:
     head_dim = _int(lm, "head_dim", source, None)
     if head_dim is None and "qk_nope_head_dim" in lm:  # MLA: q/k heads are nope + rope wide
         head_dim = _int(lm, "qk_nope_head_dim", source) + _int(lm, "qk_rope_head_dim", source)
+    if head_dim is None and hidden < heads:  # hidden // heads would be a head of width 0
+        raise bad_input(source, f"hidden_size {hidden} is smaller than num_attention_heads {heads} and no head_dim is given")
     tie_default = fam.get("tie_word_embeddings", DEFAULTS["tie_word_embeddings"])
     return TargetSpec(
         source=source,
@@ -565,17 +581,32 @@ def target_spec_from_gguf(path: str | os.PathLike) -> TargetSpec:
             raise bad_input(path, f"GGUF metadata has no valid '{arch}.{key}'")
         return v
 
-    def opt(key: str):
+    def opt(key: str) -> int | None:
         v = meta.get(f"{arch}.{key}")
-        return v if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+        if v is None or v == 0 or isinstance(v, (list, _GGUFArray)):  # absent, unset, or per-layer values
+            return None
+        return need(key)  # else it must be a positive integer
+
+    def opt_float(key: str) -> float | None:
+        v = meta.get(f"{arch}.{key}")
+        if v is None:
+            return None
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            raise bad_input(path, f"GGUF metadata '{arch}.{key}' must be a positive number, got {v!r}"[:200])
+        return float(v)
 
     hf_arch, model_type = _GGUF_ARCHS.get(arch, (arch, arch))
     tokens = meta.get("tokenizer.ggml.tokens")
+    if tokens is not None and not isinstance(tokens, (list, _GGUFArray)):
+        raise bad_input(path, f"GGUF 'tokenizer.ggml.tokens' must be an array, got {type(tokens).__name__}")
     vocab = opt("vocab_size") or (tokens.count if isinstance(tokens, _GGUFArray) else len(tokens or []))
     if not vocab:
         raise bad_input(path, "GGUF metadata gives no vocabulary size")
     hidden, heads = need("embedding_length"), need("attention.head_count")
     head_dim = opt("attention.key_length") or hidden // heads
+    if not head_dim:
+        raise bad_input(path, f"embedding_length {hidden} is smaller than attention.head_count {heads} "
+                              "and no attention.key_length is given")
     names = {t[0] for t in tensors}
     raw = {k: v for k, v in meta.items() if not isinstance(v, (_GGUFArray, list))}
     spec = TargetSpec(
@@ -591,7 +622,7 @@ def target_spec_from_gguf(path: str | os.PathLike) -> TargetSpec:
         head_dim=int(head_dim),
         intermediate_size=opt("feed_forward_length"),
         max_position_embeddings=opt("context_length"),
-        rope_theta=float(opt("rope.freq_base") or DEFAULTS["rope_theta"]),
+        rope_theta=opt_float("rope.freq_base") or DEFAULTS["rope_theta"],
         tie_word_embeddings="output.weight" not in names,  # GGUF drops the head when it is tied
         sliding_window=opt("attention.sliding_window"),
         raw=raw,

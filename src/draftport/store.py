@@ -33,7 +33,8 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 import torch
 
-from draftport.errors import DraftportError, bad_input
+from draftport.errors import DraftportError, bad_input, disk_full, is_disk_full
+from draftport.inventory import check_coverage, parse_header_json
 from draftport.safeio import atomic_write_json, read_json
 
 FORMAT = "draftport-store"
@@ -126,9 +127,11 @@ def write_shard(path: str, samples: Sequence[dict], start: int) -> dict:
             os.fsync(f.fileno())
         _readable(tmp)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         if os.path.exists(tmp):
             os.unlink(tmp)
+        if is_disk_full(exc):
+            raise disk_full(path, "this shard") from exc
         raise
     return {"file": os.path.basename(path), "start": start, "end": start + len(samples), "num_tokens": n_tok,
             "bytes": 8 + len(hbytes) + pos, "sha256": h.hexdigest()}
@@ -187,9 +190,14 @@ class StoreWriter:
 
     def _commit(self, complete: bool) -> None:
         path = os.path.join(self.path, MANIFEST)
-        atomic_write_json(path, {
-            "format": FORMAT, "version": VERSION, "num_samples": self.num_samples, "num_tokens": self.num_tokens,
-            "complete": complete, "shards": self.shards, "config": self.config})
+        try:
+            atomic_write_json(path, {
+                "format": FORMAT, "version": VERSION, "num_samples": self.num_samples, "num_tokens": self.num_tokens,
+                "complete": complete, "shards": self.shards, "config": self.config})
+        except OSError as exc:  # the old manifest stays in place: it lists only whole shards
+            if is_disk_full(exc):
+                raise disk_full(path, "the manifest") from exc
+            raise
         _readable(path)  # after the rename: a reader never sees a manifest that is not whole
 
     def _write(self, samples: Sequence[dict], start: int, index: int) -> None:
@@ -303,7 +311,20 @@ def _check_manifest(m: dict, where: str) -> dict:
 
 
 def read_shard_header(path: str) -> tuple[dict[str, tuple[str, list[int], int, int]], dict]:
-    """Parse and bounds-check a safetensors header: {name: (dtype, shape, abs_begin, abs_end)}, metadata."""
+    """Parse and bounds-check a safetensors header: {name: (dtype, shape, abs_begin, abs_end)}, metadata.
+    The tensors must tile the data section exactly, as the safetensors library requires (the
+    training path opens shards with safetensors itself)."""
+    out, meta, data_start, data_len = _parse_shard_header(path)
+    _check_tiling(path, out, data_start, data_len)
+    return out, meta
+
+
+def _check_tiling(path: str, tensors: dict, data_start: int, data_len: int) -> None:
+    check_coverage(path, [(v[2] - data_start, v[3] - data_start, k) for k, v in tensors.items()], data_len)
+
+
+def _parse_shard_header(path: str) -> tuple[dict[str, tuple[str, list[int], int, int]], dict, int, int]:
+    """read_shard_header without the tiling check: (tensors, metadata, data start, data length)."""
     size = os.path.getsize(path)
     with open(path, "rb") as f:
         head = f.read(8)
@@ -313,17 +334,16 @@ def read_shard_header(path: str) -> tuple[dict[str, tuple[str, list[int], int, i
         if n < 2 or n > MAX_HEADER_BYTES or 8 + n > size:
             raise bad_input(path, f"safetensors header length {n} is out of bounds (file is {size} bytes)")
         raw = f.read(n)
-    try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
-        raise bad_input(path, "safetensors header is not valid JSON")
-    if not isinstance(header, dict):
-        raise bad_input(path, "safetensors header is not a JSON object")
-    meta = header.pop("__metadata__", {})
+    header = parse_header_json(raw, path)  # strict JSON, one object: what the safetensors library reads
+    meta = header.pop("__metadata__", None)
+    meta = {} if meta is None else meta  # null is what safetensors takes for "none"; [] or "" it refuses
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise bad_input(path, "safetensors __metadata__ must map names to strings")
     data_len = size - 8 - n
     out = {}
     for name, info in header.items():
-        ok = (isinstance(info, dict) and info.get("dtype") in _DTYPES and isinstance(info.get("shape"), list)
+        ok = (isinstance(info, dict) and isinstance(info.get("dtype"), str) and info["dtype"] in _DTYPES
+              and isinstance(info.get("shape"), list)
               and all(_is_int(d) and d >= 0 for d in info["shape"]) and isinstance(info.get("data_offsets"), list)
               and len(info["data_offsets"]) == 2 and all(_is_int(o) for o in info["data_offsets"]))
         if not ok:
@@ -332,7 +352,7 @@ def read_shard_header(path: str) -> tuple[dict[str, tuple[str, list[int], int, i
         if not 0 <= b <= e <= data_len or e - b != math.prod(info["shape"]) * _DTYPES[info["dtype"]][1]:
             raise bad_input(path, f"tensor {name!r} data offsets [{b}, {e}] are out of bounds or do not match its shape")
         out[name] = (info["dtype"], info["shape"], 8 + n + b, 8 + n + e)
-    return out, meta if isinstance(meta, dict) else {}
+    return out, meta, 8 + n, data_len
 
 
 class _Shard:
@@ -345,7 +365,7 @@ class _Shard:
         if os.path.getsize(path) != entry["bytes"]:
             raise bad_input(path, f"shard is {os.path.getsize(path)} bytes, the manifest says {entry['bytes']} "
                                   "(truncated or modified)")
-        self.tensors, _ = read_shard_header(path)
+        self.tensors, _, data_start, data_len = _parse_shard_header(path)
         n, n_tok = entry["end"] - entry["start"], entry["num_tokens"]
         want = {"offsets": ("I64", [n + 1]), "input_ids": ("I32", [n_tok]), "loss_mask": ("U8", [n_tok]),
                 "aux": ("BF16", [n_tok, aux_width]), "last_hidden": ("BF16", [n_tok, hidden])}
@@ -354,9 +374,11 @@ class _Shard:
             if got is None or got[0] != dt or got[1] != shape:
                 have = "missing" if got is None else f"{got[0]} {got[1]}"
                 raise bad_input(path, f"tensor {name!r} should be {dt} {shape}, found {have}")
+        _check_tiling(path, self.tensors, data_start, data_len)  # after naming what is missing: clearer
         self._mm: np.ndarray | None = None
         self.offsets = self._array("offsets").copy()
-        if self.offsets[0] != 0 or self.offsets[-1] != n_tok or np.any(np.diff(self.offsets) < 1):
+        # compared, not subtracted: np.diff wraps around on hostile int64 values
+        if self.offsets[0] != 0 or self.offsets[-1] != n_tok or np.any(self.offsets[1:] <= self.offsets[:-1]):
             raise bad_input(path, "sample offsets are not increasing from 0 to the token count")
 
     def _array(self, name: str) -> np.ndarray:

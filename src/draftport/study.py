@@ -3,8 +3,10 @@
 The seed's game plan, run instead of written by hand. Stages, each in its own subdirectory of --out:
 
     check                 can A's drafter be fed by B at all (compat: widths, vocab, layers per engine)
-    probe                 hidden-state similarity of A and B + plug-in τ (offline), probe.run_probe
     capture               B's hidden states on the data, max(--sizes) samples, at the drafter's layers
+                          (with --regenerate B first writes the answers: a drafter for B learns B's text)
+    probe                 hidden-state similarity of A and B + plug-in τ (offline), probe.run_probe, on
+                          the captured conversations (B's own answers when regenerated)
     train-transfer-N      fine-tune A's drafter on the first N samples (--init-from: keeps its vocab map)
     train-scratch-N       a fresh drafter on the same N samples, same steps
     eval-plugin           online τ and tok/s of A's drafter on B with no training
@@ -72,6 +74,7 @@ class StudyConfig:
     engine: str = "sglang"              # whose aux-id rule decides the drafter's layers
     lr: float | None = None             # training learning rate (None: train's default)
     regenerate: bool = False            # capture: B writes the assistant turns first (B's own samples)
+    regen_batch_size: int | None = None  # regeneration: prompts per batched generate (None: capture's default)
     restart: bool = False               # clear --out and start over
     json: bool = False                  # print summary.json's object on stdout
 
@@ -207,10 +210,10 @@ def stage_check(cfg: StudyConfig) -> dict:
             "warnings": [f["message"] for f in result["findings"] if f["severity"] == "warning"]}
 
 
-def stage_probe(cfg: StudyConfig, d: str) -> dict:
+def stage_probe(cfg: StudyConfig, d: str, data: str) -> dict:
     from draftport.probe import ProbeConfig, run_probe
 
-    s = run_probe(ProbeConfig(target_a=cfg.target_a, target_b=cfg.target_b, data=cfg.data, out=d, drafter=cfg.drafter_a,
+    s = run_probe(ProbeConfig(target_a=cfg.target_a, target_b=cfg.target_b, data=data, out=d, drafter=cfg.drafter_a,
                               max_samples=cfg.probe_samples, max_len=cfg.max_len, device=cfg.device, dtype=cfg.dtype,
                               seed=cfg.seed, chat_template=cfg.chat_template, trust_remote_code=cfg.trust_remote_code,
                               engine=cfg.engine, depth=cfg.depth), console=Console(stderr=True))
@@ -225,7 +228,8 @@ def stage_capture(cfg: StudyConfig, d: str, layers: list[int], n: int) -> dict:
     return run_capture(CaptureConfig(target=cfg.target_b, data=cfg.data, out=d, max_samples=n, max_len=cfg.max_len,
                                      aux_layers=layers, chat_template=cfg.chat_template, device=cfg.device,
                                      dtype=cfg.dtype, seed=cfg.seed, regenerate=cfg.regenerate,
-                                     trust_remote_code=cfg.trust_remote_code), console=Console(stderr=True))
+                                     regen_batch_size=cfg.regen_batch_size, trust_remote_code=cfg.trust_remote_code),
+                       console=Console(stderr=True))
 
 
 def stage_train(cfg: StudyConfig, d: str, store: str, n: int, init_from: str | None) -> dict:
@@ -396,11 +400,17 @@ def run_study(cfg: StudyConfig, console: Console | None = None) -> dict:
         raise DraftportError("A's drafter cannot be fed by target B: " + "; ".join(check["errors"][:3]), cfg.drafter_a)
     layers = check["capture_layers"][cfg.engine]
 
-    probe = stages.run("probe", {**common, "samples": cfg.probe_samples, "depth": cfg.depth},
-                       lambda d: stage_probe(cfg, d), "probe: hidden-state similarity and plug-in τ")
-    cap = stages.run("capture", {**common, "n": sizes[-1], "layers": layers, "regenerate": cfg.regenerate},
+    cap = stages.run("capture", {**common, "n": sizes[-1], "layers": layers, "regenerate": cfg.regenerate,
+                                   "regen_batch_size": cfg.regen_batch_size},
                      lambda d: stage_capture(cfg, d, layers, sizes[-1]), f"capture B on {sizes[-1]} samples")
     store = os.path.join(cfg.out, "capture")
+    # the probe compares A and B on the text the drafter will see on B: B's own answers when regenerated
+    # (prompt-only data has no assistant tokens to compare before that)
+    from draftport.capture import REGEN_FILE
+    probe_data = os.path.join(store, REGEN_FILE) if cfg.regenerate else cfg.data
+    probe = stages.run("probe", {**common, "samples": cfg.probe_samples, "depth": cfg.depth,
+                                 "regenerate": cfg.regenerate},
+                       lambda d: stage_probe(cfg, d, probe_data), "probe: hidden-state similarity and plug-in τ")
     train_cfg = {**common, "steps": cfg.steps, "ttt_steps": cfg.ttt_steps, "batch_size": cfg.batch_size, "lr": cfg.lr,
                  "capture": cap.get("num_tokens")}
     eval_cfg = {**common, "prompts": cfg.prompts, "n": cfg.eval_prompts, "max_new_tokens": cfg.max_new_tokens,

@@ -328,10 +328,31 @@ def _load_gguf(gguf_path: str, display_name: str | None = None):
     try:
         with _quiet_transformers():
             tokenizer = AutoTokenizer.from_pretrained(d, gguf_file=name)
+            check_subword_tokenizer(tokenizer, gguf_path)  # before the minute of dequantisation
             model = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32)
     except (ImportError, ValueError, KeyError, OSError) as exc:
         raise DraftportError(f"cannot load GGUF ({type(exc).__name__}: {exc})", gguf_path)
     return model, tokenizer
+
+
+# frequent words that any real LLM vocabulary (32k entries and up) holds whole
+COMMON_WORDS = "information government development important different children because through another without".split()
+
+
+def check_subword_tokenizer(tokenizer, source: str) -> None:
+    """Refuse a tokenizer that splits common English words into pieces. transformers 5.17 converts
+    Gemma-3's GGUF tokenizer that way (measured: "Summarize" becomes 4 pieces instead of 2, while
+    decoding still round-trips; measured: these 10 words become 34 pieces): the model then reads ids it
+    was never trained on and writes fluent nonsense ("1. 2. 3. …"), and every drafter trained on its
+    regenerated answers learns that. More than two pieces a word is a broken conversion, not a choice."""
+    import transformers
+
+    n = len(tokenizer(" ".join(COMMON_WORDS), add_special_tokens=False)["input_ids"])
+    if n > 2 * len(COMMON_WORDS):
+        raise DraftportError(f"transformers {transformers.__version__} converted this GGUF's tokenizer without its "
+                             f"merges ({n} pieces for {len(COMMON_WORDS)} common words): the model would read "
+                             "ids it was never trained on; use transformers >= 5.20 (checked: 5.20.2, 5.22.2, 5.24), or a converted target "
+                             "directory with its tokenizer files", source)
 
 
 def _gguf_cache_dir(gguf_path: str) -> tuple[str, str]:

@@ -19,7 +19,8 @@ drafter is also copied to <out>/final (engine files only).
 Speed: on CUDA the TTT attention runs as one fused flex-attention kernel for the step-0 causal keys
 plus the later steps' diagonal keys in closed form (flex_ttt_attention; no [T, T] scores, so long
 sequences fit), under bf16 autocast (one process) or FSDP2 bf16 mixed precision; the soft CE is
-chunked over the draft vocab; nothing in a step waits for the host except the logging steps. On the
+chunked over the draft vocab; nothing in a step waits for the host but one scalar (is the gradient norm
+finite: a NaN/Inf step is skipped, never applied) and the logging steps. On the
 CPU the target head (262k columns for Gemma) runs only over masked rows and is cached per sample.
 """
 
@@ -40,7 +41,7 @@ from draftport import parallel
 from draftport.errors import DraftportError, bad_input
 from draftport.losses import (DEFAULT_DECAY, conditional_hit_counts, position_valid, shift_left, simulated_accept_len,
                               soft_ce_chunked, step_accuracy)
-from draftport.safeio import atomic_write_json, read_json
+from draftport.safeio import atomic_write_json
 
 EMBED = "drafter.embed_tokens."   # FQN prefix of the frozen target embedding: never checkpointed
 MIN_LR_RATIO = 0.1                # cosine decays to 10 % of the peak learning rate
@@ -82,6 +83,7 @@ class TrainConfig:
     target_cache_mb: int = 1024          # CPU: keep target-head results per sample up to this size
     activation_checkpointing: bool = False  # recompute the MLP in backward (long sequences)
     log_every: int | None = None         # metrics line every N steps (None: 1 on cpu, 10 on cuda); syncs
+    max_nonfinite_steps: int = 5         # a NaN/Inf loss or gradient skips its step; this many in a row stop the run
 
 
 # ---------------------------------------------------------------------------------------------
@@ -234,6 +236,9 @@ def build_drafter(cfg: TrainConfig, target, data: "parallel.Samples", train_idx,
         from draftport.formats import load_drafter, plan_aux_ids
 
         drafter, report = load_drafter(cfg.init_from, dtype=torch.float32)
+        if report.not_read:  # e.g. SpecForge's training_state.pt: a pickle, and optimizer state besides
+            console.print(f"not opened: {', '.join(os.path.basename(p) for p in report.not_read)} (a pickle; the "
+                          "warm start takes the weights only and begins a fresh optimizer)")
         if report.missing:
             console.print(f"[yellow]warning: {cfg.init_from} lacks {', '.join(report.missing[:6])}; "
                           "those start from a fresh init[/yellow]")
@@ -307,7 +312,8 @@ def load_train_target(cfg: TrainConfig, device: torch.device, dtype: str):
 
 def request_config(cfg: TrainConfig, device: torch.device) -> dict:
     """The flags that decide the weights (not where output goes or how often it is written)."""
-    skip = {"out", "restart", "json", "val_every", "save_every", "keep_last", "log_every", "val_max_samples"}
+    skip = {"out", "restart", "json", "val_every", "save_every", "keep_last", "log_every", "val_max_samples",
+            "max_nonfinite_steps"}
     d = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name not in skip}
     for key in ("target", "data", "init_from"):
         if d[key] and os.path.exists(d[key]):
@@ -394,8 +400,9 @@ def _run(cfg: TrainConfig, info, target, console) -> dict:
     dev = info.device
     dtype = cfg.dtype or ("bf16" if dev.type == "cuda" else "fp32")
     B, k = cfg.batch_size or 4, cfg.ttt_steps
-    if B < 1 or k < 1:
-        raise DraftportError(f"--batch-size and --ttt-steps must be at least 1 (got {B}, {k})")
+    if B < 1 or k < 1 or cfg.max_nonfinite_steps < 1:
+        raise DraftportError(f"--batch-size, --ttt-steps and --max-nonfinite-steps must be at least 1 "
+                             f"(got {B}, {k}, {cfg.max_nonfinite_steps})")
     parallel.rank_slice(B, info)  # divisible by the ranks, or a one-line error
     request = request_config(cfg, dev)
     ckpt.check_run_dir(out, request, cfg.restart)
@@ -410,10 +417,15 @@ def _run(cfg: TrainConfig, info, target, console) -> dict:
             target = load_train_target(cfg, dev, dtype)
     data = parallel.Samples(cfg.data, target, console, max_samples=cfg.max_samples, max_len=cfg.max_len,
                             chat_template=cfg.chat_template)
+    data.verify(info)  # a store's shards against their sha256, before a step trains on them
     train_idx, val_idx = split_train_val(len(data), cfg.val_fraction, cfg.seed)
     val_idx = val_idx[:cfg.val_max_samples]
     parallel.epoch_batch(0, len(train_idx), B, cfg.seed)  # a batch larger than the data: one-line error now
     latest = None if cfg.restart else ckpt.latest_checkpoint(out)
+    for bad in [] if cfg.restart else ckpt.unusable_checkpoints(out):
+        if latest is None or bad.name > latest.name:
+            console.print(f"[yellow]warning: {bad} has no resume/state.json (copied in part?); "
+                          f"{'resuming from ' + str(latest) if latest else 'starting over'}[/yellow]")
     drafter, layers, notes = build_drafter(cfg, target, data, train_idx, console, latest is not None, dev)
     steps = cfg.steps or max(1, len(train_idx) // B)
     peak = cfg.lr or (5e-5 if cfg.init_from else 1e-4)
@@ -433,16 +445,17 @@ def _run(cfg: TrainConfig, info, target, console) -> dict:
                    "draft_vocab_size": drafter.spec.draft_vocab_size, "data_fingerprint": data.fingerprint,
                    "num_train": len(train_idx), "dtype": dtype}
 
-    start, initial_val, last = 0, None, {}
+    start, initial_val, last, skipped = 0, None, {}, 0
     if latest is not None:
-        meta = read_json(latest / ckpt.RESUME / ckpt.STATE_JSON)
+        meta = ckpt.verify_checkpoint(latest)  # checksums first: a flipped byte is damage, not "other settings"
         diff = ckpt.config_mismatch(meta.get("config", {}), fingerprint)
         if diff:
             raise DraftportError(f"newest checkpoint was trained with other settings ({diff}); rerun with "
                                  "--restart to start over, or use another --out", latest)
-        meta = ckpt.restore_training_state(latest, model, opt, info, skip=(EMBED,))
+        meta = ckpt.restore_training_state(latest, model, opt, info, skip=(EMBED,), verify=False)
         start, notes = int(meta["step"]), meta.get("notes", notes)
         initial_val, last = meta.get("initial_val"), meta.get("last_metrics", {})
+        skipped = int(meta.get("skipped_steps", 0) or 0)
         console.print(f"resuming from {latest} (step {start} of {steps})")
 
     metrics_path = os.path.join(out, "metrics.jsonl")
@@ -466,6 +479,7 @@ def _run(cfg: TrainConfig, info, target, console) -> dict:
 
     def save(done: int, epoch: int, j: int) -> str:
         meta = {"config": fingerprint, "notes": notes, "initial_val": initial_val, "last_metrics": last,
+                "skipped_steps": skipped,
                 "data": {"samples_seen": done * B, "epoch": epoch, "batch_in_epoch": j + 1},
                 "scheduler": {"name": "warmup_cosine", "peak_lr": peak, "warmup": warmup, "total": steps,
                               "min_ratio": MIN_LR_RATIO, "next_lr": lr_at(done, steps, peak, warmup)}}
@@ -487,6 +501,7 @@ def _run(cfg: TrainConfig, info, target, console) -> dict:
         initial_val = validate(model, data, val_idx, layers, target, k, B, info, dev, amp, cache)
         log({"step": 0, **initial_val})
     sl, tokens, t0, final_path = parallel.rank_slice(B, info), 0, time.perf_counter(), None
+    bad_run = 0  # consecutive skipped steps (non-finite loss or gradient)
     progress = Progress(TextColumn("training"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
                         TimeRemainingColumn(), console=console, disable=not info.is_main)
     with progress:
@@ -504,14 +519,26 @@ def _run(cfg: TrainConfig, info, target, console) -> dict:
                 loss, stats, _, _ = model(**inp)
             (loss * info.world_size).backward()  # FSDP averages gradients over ranks; the loss is global
             gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
-            opt.step()
+            gn = gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm
+            # A NaN/Inf loss on any rank makes the global gradient norm non-finite, so every rank takes
+            # the same decision. The one host read a step is the price of never applying such an update.
+            finite = bool(torch.isfinite(gn))
+            if finite:
+                opt.step()
+                bad_run = 0
+            else:
+                skipped, bad_run = skipped + 1, bad_run + 1
             opt.zero_grad(set_to_none=True)
             done = step + 1
-            rec = {}
-            if done % log_every == 0 or done == steps:
+            rec, note = {}, {}
+            if not finite:  # logged, not kept in `last`: the summary's figures are those of real steps
+                what = f"loss {float(loss.detach()):g}, gradient norm {float(gn):g}"
+                note = {"skipped": 1, "skipped_steps": skipped, "nonfinite": what}
+                console.print(f"[yellow]step {done}: {what}: not finite, step skipped (no optimizer update; "
+                              f"{bad_run} in a row, {cfg.max_nonfinite_steps} stop the run)[/yellow]")
+            elif done % log_every == 0 or done == steps:
                 stats = parallel.all_reduce_sum(stats.detach().clone(), info).cpu()
                 tok = parallel.all_reduce_sum(torch.tensor([float(tokens)], device=dev), info).item()
-                gn = gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm
                 elapsed = time.perf_counter() - t0
                 rec = {"loss": sum(DEFAULT_DECAY ** i * v for i, v in enumerate(stats[0].tolist())),
                        "loss_steps": stats[0].tolist(), "acc": (stats[1] / stats[2].clamp_min(1)).tolist(),
@@ -522,7 +549,15 @@ def _run(cfg: TrainConfig, info, target, console) -> dict:
                 rec.update(validate(model, data, val_idx, layers, target, k, B, info, dev, amp, cache))
             if rec:
                 last = _round({**last, **rec, "step": done})
-                log({"step": done, **rec})
+            if rec or note:
+                log({"step": done, **rec, **note})
+            if bad_run >= cfg.max_nonfinite_steps:  # stop before saving: the newest checkpoint stays the last good one
+                good = ckpt.latest_checkpoint(out)
+                raise DraftportError(
+                    f"{bad_run} steps in a row (up to step {done}) had a non-finite loss or gradient; stopped. "
+                    + (f"The last checkpoint {good} is intact: rerun to resume from it" if good else
+                       "No checkpoint was written yet") + ", or lower --lr / check the data and rerun with --restart",
+                    out)
             if done % save_every == 0 or done == steps:
                 final_path = save(done, epoch, j)
             progress.update(task, completed=done)
@@ -544,7 +579,7 @@ def _run(cfg: TrainConfig, info, target, console) -> dict:
         "resumed_from_step": start, "world_size": info.world_size, "ttt_steps": k, "batch_size": B,
         "aux_layers": layers, "draft_vocab_size": drafter.spec.draft_vocab_size, "vocab": notes,
         "num_train": len(train_idx), "num_val": len(val_idx), "tokens_per_s": last.get("tok_s"),
-        "seconds": seconds, "init_from": cfg.init_from})
+        "seconds": seconds, "init_from": cfg.init_from, "skipped_steps": skipped})
     if info.is_main:
         atomic_write_json(os.path.join(out, "summary.json"), summary)
         _render(console, summary)
