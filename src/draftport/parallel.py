@@ -242,20 +242,13 @@ class Samples:
         of a silently different run. Online data has no checksums to check."""
         if not self.offline:
             return
-        from draftport.safeio import sha256_file
-
-        lo, hi = self.store._lo, self.store._hi
-        shards = [(os.path.join(self.store.path, s["file"]), s["sha256"]) for s in self.store.manifest["shards"]
-                  if s["start"] < hi and s["end"] > lo]
+        shards = self.store.view_shards()
         bad = torch.zeros(len(shards), dtype=torch.float32, device=info.device)
         for i in range(info.rank, len(shards), info.world_size):
-            if sha256_file(shards[i][0]) != shards[i][1]:
-                bad[i] = 1
+            bad[i] = float(not self.store.shard_matches(shards[i]))
         bad = all_reduce_sum(bad, info).cpu()
         if bad.any():
-            path = shards[int(bad.nonzero()[0, 0])][0]
-            raise bad_input(path, "sha256 does not match the manifest (shard corrupted or modified); capture it "
-                                  "again with --restart")
+            raise self.store.corrupt_shard_error(shards[int(bad.nonzero()[0, 0])])
 
     def __len__(self) -> int:
         return len(self.store) if self.offline else len(self.ids)

@@ -467,13 +467,25 @@ class Store:
                 "aux": sh.rows("aux", a, b), "last_hidden": sh.rows("last_hidden", a, b), "index": i % len(self)}
 
     # -- integrity
-    def verify(self, progress: Any = None) -> None:
-        """Check every shard's sha256 against the manifest; a mismatch names the shard."""
+    def view_shards(self) -> list[int]:
+        """Indices of the shards that hold this view's samples."""
+        return [k for k, sh in enumerate(self._shards) if sh.entry["start"] < self._hi and sh.entry["end"] > self._lo]
+
+    def shard_matches(self, k: int) -> bool:
+        """Shard k's bytes against its sha256 in the manifest."""
         from draftport.safeio import sha256_file
 
-        for sh in self._shards:
-            if sha256_file(sh.path) != sh.entry["sha256"]:
-                raise bad_input(sh.path, "sha256 does not match the manifest (shard corrupted or modified)")
+        return sha256_file(self._shards[k].path) == self._shards[k].entry["sha256"]
+
+    def corrupt_shard_error(self, k: int) -> DraftportError:
+        return bad_input(self._shards[k].path, "sha256 does not match the manifest (shard corrupted or modified); "
+                                               "capture it again with --restart")
+
+    def verify(self, progress: Any = None) -> None:
+        """Check every shard's sha256 against the manifest; a mismatch names the shard."""
+        for k, sh in enumerate(self._shards):
+            if not self.shard_matches(k):
+                raise self.corrupt_shard_error(k)
             if progress is not None:
                 progress(sh.entry["bytes"])
 
