@@ -205,6 +205,19 @@ def section_steps(target, drafter, args, hbm: float) -> dict:
         out[f"target_{T}_ms"] = time_call(lambda: base.target_pass(ids, n, ar[:T], tril), dev, args.repeats)
         if spec is not None:
             out[f"target_{T}_aux_ms"] = time_call(lambda: spec.target_pass(ids, n, ar[:T], tril), dev, args.repeats)
+    # the same passes before this version's kernel work (HF's eager norms, the default attention kernel)
+    from draftport.engine import EngineConfig, SpecEngine
+    old = SpecEngine(target, None, EngineConfig(max_len=base.S, fuse=False, sdpa="default"))
+    for T in (1, 8):
+        ids = torch.zeros(T, dtype=torch.long, device=dev)
+        tril = torch.ones(T, T, dtype=torch.bool, device=dev).tril()
+        out[f"target_{T}_unfused_default_sdpa_ms"] = time_call(lambda: old.target_pass(ids, n, ar[:T], tril), dev,
+                                                               args.repeats)
+    del old
+    out["sdpa_choices"] = base.sdpa_choices()
+    if base.fused is not None:
+        from draftport.fusion import compile_failures
+        out["fusion"] = {**base.fused.report, "compile_failures": compile_failures()}
     step = out["target_1_ms"]
     out["decode_step_ms"] = step
     out["step_over_hbm_floor"] = step / out["hbm_floor_ms"]

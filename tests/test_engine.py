@@ -328,7 +328,10 @@ def test_cuda_graphs_equal_eager(family, dtype):
                     EngineConfig(topk=2, depth=3, num_draft_tokens=6, temperature=0.8, max_len=96)):
             runs = {}
             for graphs in (False, True):
-                eng = SpecEngine(t, drafter, EngineConfig(**{**cfg.__dict__, "use_cuda_graphs": graphs}))
+                # one attention kernel for both ("auto" may pick per shape what eager cannot follow)
+                eng = SpecEngine(t, drafter, EngineConfig(**{**cfg.__dict__, "use_cuda_graphs": graphs,
+                                                             "sdpa": "efficient"}))
+                assert eng.fused is not None and eng.fused.report["norms_fused"] > 0
                 first = eng.generate(prompt, NEW, seed=3)      # captures the graphs
                 if graphs:
                     assert eng._graphs and all(g.graph is not None for g in eng._graphs.values())
@@ -338,6 +341,10 @@ def test_cuda_graphs_equal_eager(family, dtype):
                 assert e.token_ids == g.token_ids and e.accept_lens == g.accept_lens
             if dtype == "fp32" and cfg.temperature == 0:
                 assert runs[True][1].token_ids == ref
+    if dtype == "fp32":  # "auto" times each kernel per graphed shape; fp32 greedy stays the target's
+        eng = SpecEngine(t, d, CONFIGS["chain3"])
+        assert eng.generate(prompt, NEW).token_ids == ref
+        assert set(eng.sdpa_choices().values()) <= {"default", "efficient", "math"} and eng.sdpa_choices()
 
 
 # ---------------------------------------------------------------------------------------------

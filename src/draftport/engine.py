@@ -20,6 +20,8 @@ unchanged. On CUDA the verify pass and the draft steps replay from CUDA graphs; 
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import inspect
 import time
 from dataclasses import dataclass, field
@@ -46,6 +48,9 @@ class EngineConfig:
     use_cuda_graphs: bool | None = None  # None: True on CUDA, False on CPU
     seed: int = 0                        # seeds the engine's torch.Generator (sampling only)
     aux_layers: list[int] | None = None  # target layers fed to the drafter (default: what it was trained on)
+    fuse: bool | None = None             # compiled norms / rotary in the target pass (None: on CUDA); fusion.py
+    sdpa: str = "auto"                   # target attention kernel: auto (graphed passes time each) | default |
+                                         # efficient | math | cudnn
 
     @property
     def is_tree(self) -> bool:
@@ -67,8 +72,26 @@ class EngineConfig:
                                  f"{nodes} only applies to trees (--topk > 1)")
         if self.temperature < 0 or not 0 < self.top_p <= 1:
             raise DraftportError(f"need temperature >= 0 and 0 < top_p <= 1 (got {self.temperature}, {self.top_p})")
+        if self.sdpa not in SDPA_CHOICES:
+            raise DraftportError(f"sdpa must be one of {', '.join(SDPA_CHOICES)} (got {self.sdpa!r})")
         return EngineConfig(depth, self.topk, nodes, self.temperature, self.top_p, self.max_len,
-                            self.use_cuda_graphs, self.seed, self.aux_layers)
+                            self.use_cuda_graphs, self.seed, self.aux_layers, self.fuse, self.sdpa)
+
+
+SDPA_CHOICES = ("auto", "default", "efficient", "math", "cudnn")
+
+
+def sdpa_context(choice: str):
+    """The scaled-dot-product-attention kernels a target pass may use. Why choose: on the H200 the
+    default (cuDNN) kernel took 56 µs a layer for an 8-token verify against a masked 1024-slot cache,
+    7 µs for 1 token; the best kernel depends on the shape, so graphed passes try each ("auto")."""
+    if choice in ("auto", "default"):
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel({"efficient": [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH],
+                        "math": [SDPBackend.MATH],
+                        "cudnn": [SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH]}[choice])
 
 
 @dataclass
@@ -154,31 +177,61 @@ class _Graphed:
     Warm-up and capture use the first call's real inputs: the functions wrapped here only write
     cache slots their inputs name, so running them twice is harmless (same values, same slots).
     Outputs are static buffers, overwritten by the next replay.
+    With several `variants` (context-manager factories, e.g. attention-kernel choices) each is
+    captured and replayed a few times, and the fastest graph is kept (`self.choice` its index).
     """
 
-    def __init__(self, fn, enabled: bool, pool=None):
-        self.fn, self.enabled, self.pool = fn, enabled, pool
-        self.graph = self.inputs = self.outputs = None
+    def __init__(self, fn, enabled: bool, pool=None, variants=(contextlib.nullcontext,)):
+        self.fn, self.enabled, self.pool, self.variants = fn, enabled, pool, variants
+        self.graph = self.inputs = self.outputs = self.choice = None
 
-    def __call__(self, *args: torch.Tensor):
-        if not self.enabled:
-            return self.fn(*args)
-        if self.graph is None:
-            self.inputs = [a.clone() for a in args]
+    def _capture(self, variant):
+        with variant():
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
                 for _ in range(2):
                     self.fn(*self.inputs)
             torch.cuda.current_stream().wait_stream(side)
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph, pool=self.pool):
-                self.outputs = self.fn(*self.inputs)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                outputs = self.fn(*self.inputs)
+        return graph, outputs
+
+    def __call__(self, *args: torch.Tensor):
+        if not self.enabled:
+            with self.variants[0]():
+                return self.fn(*args)
+        if self.graph is None:
+            self.inputs = [a.clone() for a in args]
+            best = None
+            for i, variant in enumerate(self.variants):
+                try:
+                    graph, outputs = self._capture(variant)
+                except RuntimeError:  # a kernel choice that cannot run this shape (e.g. no kernel for the mask)
+                    if i + 1 == len(self.variants) and best is None:
+                        raise
+                    continue
+                ms = _replay_ms(graph) if len(self.variants) > 1 else 0.0
+                if best is None or ms < best[0]:
+                    best = (ms, i, graph, outputs)
+            _, self.choice, self.graph, self.outputs = best
         else:
             for dst, src in zip(self.inputs, args):
                 dst.copy_(src)
         self.graph.replay()
         return self.outputs
+
+
+def _replay_ms(graph, n: int = 10) -> float:
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(n):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / n
 
 
 # ---------------------------------------------------------------------------------------------
@@ -216,6 +269,15 @@ class SpecEngine:
         self.use_graphs = use_graphs
         self._pool = torch.cuda.graph_pool_handle() if use_graphs else None
         self._graphs: dict[tuple, _Graphed] = {}
+        fuse = self.cfg.fuse if self.cfg.fuse is not None else self.device.type == "cuda"
+        self.fused = None
+        if fuse:
+            from draftport.fusion import FusedTarget
+            self.fused = FusedTarget(self.model)
+        if self.cfg.sdpa == "auto" and use_graphs:
+            self._target_variants = tuple(functools.partial(sdpa_context, c) for c in ("default", "efficient", "math"))
+        else:
+            self._target_variants = (functools.partial(sdpa_context, "default" if self.cfg.sdpa == "auto" else self.cfg.sdpa),)
         self.aux_layers: list[int] = []
         if drafter is not None:
             self._init_drafter(drafter)
@@ -245,12 +307,18 @@ class SpecEngine:
         self.d2t_ids = drafter.to_target_ids(torch.arange(spec.draft_vocab_size, device=self.device))
 
     # -- graphed callables --------------------------------------------------------------------
-    def _call(self, name: str, fn, *args: torch.Tensor):
+    def _call(self, name: str, fn, *args: torch.Tensor, variants=(contextlib.nullcontext,)):
         key = (name, *(tuple(a.shape) for a in args))
         g = self._graphs.get(key)
         if g is None:
-            g = self._graphs[key] = _Graphed(fn, self.use_graphs, self._pool)
+            g = self._graphs[key] = _Graphed(fn, self.use_graphs, self._pool, variants)
         return g(*args)
+
+    def sdpa_choices(self) -> dict[str, str]:
+        """The attention kernel each graphed target pass ended up with, by token count ("auto" timing)."""
+        names = ("default", "efficient", "math") if len(self._target_variants) > 1 else (self.cfg.sdpa,)
+        return {f"{k[0]}_T{k[1][1]}": names[g.choice] for k, g in self._graphs.items()
+                if k[0].startswith("target") and g.choice is not None}
 
     # -- the target pass ----------------------------------------------------------------------
     def _target_masks(self, slots, pos, n, tree_mask):
@@ -275,8 +343,9 @@ class SpecEngine:
             self.cache.slots = slots
             masks = self._target_masks(slots, pos, n, tree_mask)
             mask = masks if len(masks) > 1 else next(iter(masks.values()))
-            out = self.model(input_ids=ids, position_ids=pos[None], attention_mask=mask, use_cache=True,
-                             output_hidden_states=with_aux, **{self._cache_kw: self.cache})
+            with self.fused.active() if self.fused is not None else contextlib.nullcontext():
+                out = self.model(input_ids=ids, position_ids=pos[None], attention_mask=mask, use_cache=True,
+                                 output_hidden_states=with_aux, **{self._cache_kw: self.cache})
             logits = out.logits[0]                                         # [T, V] via the model's own head
             if not with_aux:
                 return (logits,)
@@ -292,7 +361,11 @@ class SpecEngine:
         with_aux = self.drafter is not None
         fn = self._target_fn(with_aux)
         args = (ids[None], n, depths, tree_mask)
-        out = self._call(f"target{int(with_aux)}", fn, *args) if graphed else fn(*args)
+        if graphed:
+            out = self._call(f"target{int(with_aux)}", fn, *args, variants=self._target_variants)
+        else:
+            with self._target_variants[0]():
+                out = fn(*args)
         return out[0], (out[1] if with_aux else None)
 
     # -- the drafter steps --------------------------------------------------------------------

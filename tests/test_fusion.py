@@ -1,0 +1,81 @@
+"""fusion.FusedTarget: the replacements reproduce each norm class and the rotary embedding, are
+swapped in only inside `active()`, and a norm whose math they do not reproduce stays eager."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from draftport.engine import EngineConfig, SpecEngine
+from draftport.fusion import FusedTarget, rms_norm_unit_offset, rms_norm_weight_after_cast
+from draftport.target import tiny_target
+
+
+def _logits(t, ids):
+    with torch.no_grad():
+        return t.model(input_ids=ids).logits
+
+
+@pytest.mark.parametrize("family,variant", [("llama", rms_norm_weight_after_cast), ("qwen2", rms_norm_weight_after_cast),
+                                            ("gemma3", rms_norm_unit_offset)])
+def test_fused_norms_match_each_family(family, variant):
+    t = tiny_target(family)
+    for m in t.model.modules():          # non-trivial weights, so w vs (1 + w) cannot both pass
+        if type(m).__name__.endswith("RMSNorm"):
+            torch.nn.init.normal_(m.weight, 0.5, 0.2)
+    ids = torch.randint(0, t.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
+    want = _logits(t, ids)
+    fused = FusedTarget(t.model, compile=False)
+    n_norms = sum(type(m).__name__.endswith("RMSNorm") for m in t.model.modules())
+    assert fused.report["norms_fused"] == n_norms and fused.report["norms_eager"] == 0
+    assert set(fused.report["norm_classes"].values()) == {variant.__name__}
+    assert fused.report["rotary"], "the modelling module's apply_rotary_pos_emb was not picked up"
+    calls = []
+    orig = fused.norms[0][1]
+    fused.norms[0] = (fused.norms[0][0], lambda x: calls.append(1) or orig(x))
+    with fused.active():
+        got = _logits(t, ids)
+    assert calls, "the replacement was not called inside active()"
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    n = len(calls)
+    _logits(t, ids)                      # outside active(): the originals again
+    assert len(calls) == n and all("forward" not in vars(m) for m, _ in fused.norms)
+
+
+def test_unknown_norm_math_stays_eager():
+    t = tiny_target("llama")
+
+    class OddRMSNorm(torch.nn.Module):   # neither convention: must not be replaced
+        def __init__(self, dim):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.ones(dim))
+            self.variance_epsilon = 1e-6
+
+        def forward(self, x):
+            return x * self.weight * 2
+
+    t.model.model.norm = OddRMSNorm(t.model.config.hidden_size)
+    fused = FusedTarget(t.model, compile=False)
+    assert fused.report["norms_eager"] == 1 and fused.report["norm_classes"]["OddRMSNorm"] is None
+    ids = torch.arange(3, 11)[None]
+    want = _logits(t, ids)
+    with fused.active():
+        torch.testing.assert_close(_logits(t, ids), want)
+
+
+def test_compiled_fusion_keeps_greedy_on_cpu():
+    """The compiled path (Inductor on the CPU here, Triton on CUDA): the plain engine with fuse on
+    gives the target's greedy tokens."""
+    t = tiny_target("gemma3")
+    prompt = torch.arange(5, 13)
+    ref = SpecEngine(t, None, EngineConfig(max_len=40, fuse=False)).generate(prompt, 10).token_ids
+    eng = SpecEngine(t, None, EngineConfig(max_len=40, fuse=True))
+    assert eng.fused.report["norms_fused"] > 0
+    assert eng.generate(prompt, 10).token_ids == ref
+
+
+def test_sdpa_choice_is_checked():
+    from draftport.errors import DraftportError
+
+    with pytest.raises(DraftportError, match="sdpa"):
+        EngineConfig(sdpa="fastest").resolved()
