@@ -79,3 +79,35 @@ def test_sdpa_choice_is_checked():
 
     with pytest.raises(DraftportError, match="sdpa"):
         EngineConfig(sdpa="fastest").resolved()
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_grouped_sdpa_equals_hf_sdpa_with_tree_masks(family, monkeypatch):
+    """The engine's masked multi-token passes through grouped_sdpa (query heads folded into the
+    length, no K/V repeat) give HF sdpa's logits, for a tree mask over a partly filled cache."""
+    from draftport.fusion import FusedTarget
+
+    t = tiny_target(family)
+    text = t.model.config
+    G = text.num_attention_heads // text.num_key_value_heads
+    eng_ref = SpecEngine(t, None, EngineConfig(max_len=48, fuse=False))
+    eng = SpecEngine(t, None, EngineConfig(max_len=48, fuse=False))
+    eng.fused = FusedTarget(t.model, compile=False)
+    assert eng.fused.report["grouped_sdpa_configs"] == 1
+    shapes = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda q, *a, **k: shapes.append(tuple(q.shape)) or sdpa(q, *a, **k))
+    prompt = torch.arange(3, 19)
+    zero = torch.zeros((), dtype=torch.long)
+    tree = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 0, 1, 0, 1]],
+                        dtype=torch.bool)
+    depths = torch.tensor([0, 1, 1, 2, 2])
+    outs = []
+    for e in (eng_ref, eng):
+        causal = torch.ones(16, 16, dtype=torch.bool).tril()
+        e.target_pass(prompt, zero, torch.arange(16), causal, graphed=False)
+        n = torch.tensor(16)
+        outs.append(e.target_pass(torch.tensor([5, 6, 7, 8, 9]), n, depths, tree, graphed=False)[0])
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+    assert G > 1 and any(s[1] == text.num_key_value_heads and s[2] == G * 5 for s in shapes), shapes
