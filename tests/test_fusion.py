@@ -72,6 +72,11 @@ def test_compiled_fusion_keeps_greedy_on_cpu():
     eng = SpecEngine(t, None, EngineConfig(max_len=40, fuse=True))
     assert eng.fused.report["norms_fused"] > 0
     assert eng.generate(prompt, 10).token_ids == ref
+    from test_engine import random_drafter  # a chain with the drafter's norms compiled as well
+
+    spec = SpecEngine(t, random_drafter(t), EngineConfig(max_len=40, fuse=True))
+    assert spec.dfused is not None and spec.dfused.report["norms_fused"] > 0
+    assert spec.generate(prompt, 10).token_ids == ref
 
 
 def test_sdpa_choice_is_checked():

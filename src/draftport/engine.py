@@ -30,6 +30,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from draftport import sampling
+from draftport.fusion import FusedTarget
 from draftport.errors import DraftportError
 
 
@@ -270,10 +271,8 @@ class SpecEngine:
         self._pool = torch.cuda.graph_pool_handle() if use_graphs else None
         self._graphs: dict[tuple, _Graphed] = {}
         fuse = self.cfg.fuse if self.cfg.fuse is not None else self.device.type == "cuda"
-        self.fused = None
-        if fuse:
-            from draftport.fusion import FusedTarget
-            self.fused = FusedTarget(self.model)
+        self.fused = FusedTarget(self.model) if fuse else None
+        self.dfused = None
         if self.cfg.sdpa == "auto" and use_graphs:
             self._target_variants = tuple(functools.partial(sdpa_context, c) for c in ("default", "efficient", "math"))
         else:
@@ -303,6 +302,8 @@ class SpecEngine:
             drafter.set_embedding(self.target.embed_weight)
         self.aux_layers = layers
         self.dcache = drafter.new_cache(1, self.S, device=self.device)
+        # the drafter's own RMSNorms compiled too (its step is ~1/10 of a verify, run k times a cycle)
+        self.dfused = FusedTarget(drafter) if self.fused is not None else None
         # draft id -> target id, [Vd]
         self.d2t_ids = drafter.to_target_ids(torch.arange(spec.draft_vocab_size, device=self.device))
 
@@ -370,8 +371,9 @@ class SpecEngine:
 
     # -- the drafter steps --------------------------------------------------------------------
     def _draft_step_fn(self, hidden, ids, pos, slots, mask):
-        h, logits = self.drafter.step(hidden[None], ids[None], pos, self.dcache, cache_positions=slots,
-                                      attn_mask=mask[None])
+        with self.dfused.active() if self.dfused is not None else contextlib.nullcontext():
+            h, logits = self.drafter.step(hidden[None], ids[None], pos, self.dcache, cache_positions=slots,
+                                          attn_mask=mask[None])
         return h[0], logits[0].float()
 
     def _extend_fn(self, aux, ids, n):
