@@ -42,10 +42,13 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--shape", default="8b", choices=sorted(SHAPES))
     ap.add_argument("--ttt", type=int, default=7)
-    ap.add_argument("--loss-chunk", type=int, default=8192)
+    ap.add_argument("--loss-chunk", type=int, default=8192,
+                    help="positions (rows) per chunk of the fused lm_head + soft CE (TTTModel's rows_per_chunk)")
     ap.add_argument("--checkpointing", action="store_true")
     ap.add_argument("--attention", default=None, choices=["flex", "eager"], help="default: flex on CUDA")
     ap.add_argument("--max-T", action="store_true", help="find the longest trainable T (doubling)")
+    ap.add_argument("--profile", default=None, help="write a torch-profiler kernel table of 2 steps (after the "
+                    "timed ones) to this file")
     args = ap.parse_args()
     if args.max_T:
         T, best = args.T, None
@@ -117,6 +120,9 @@ def run(args, T: int, steps: int) -> dict:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
         print(f"step {i} {times[-1] * 1e3:.1f} ms loss {float(loss):.3f}", flush=True)
+    if args.profile and steps > 2:
+        profile_steps(step, dev, args.profile, f"{args.shape} T={T} attention={attention} "
+                      f"checkpointing={args.checkpointing}")
     steady = sorted(times[3:])[len(times[3:]) // 2] if len(times) > 3 else min(times)
     mid = sum(p.numel() for n, p in drafter.named_parameters() if n.startswith("midlayer"))
     flops_tok = 6 * (k * (mid + drafter.lm_head.weight.numel()) + drafter.fc.weight.numel())
@@ -129,6 +135,22 @@ def run(args, T: int, steps: int) -> dict:
            "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"}
     print("RESULT", json.dumps(res), flush=True)
     return res
+
+
+def profile_steps(step, dev: torch.device, path: str, title: str) -> None:
+    """Where a step's time goes: the top ops by self device time over 2 steps (CPU time on CPU)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        for _ in range(2):
+            step()
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+    key = "self_cuda_time_total" if dev.type == "cuda" else "self_cpu_time_total"
+    with open(path, "a") as f:
+        f.write(f"## {title}, 2 steps\n")
+        f.write(prof.key_averages().table(sort_by=key, row_limit=40, max_name_column_width=70) + "\n\n")
 
 
 if __name__ == "__main__":

@@ -182,3 +182,107 @@ def test_simulated_accept_len_and_weights():
     assert L.step_weights(3) == pytest.approx([1.0, 0.8, 0.64])
     losses = [torch.tensor(1.0), torch.tensor(2.0), torch.tensor(4.0)]
     assert L.ttt_loss(losses).item() == pytest.approx(1.0 + 1.6 + 2.56)
+
+
+# ---------------------------------------------------------------------------------------------
+# linear_soft_ce: lm_head fused into the soft CE
+
+
+def _linear_case(seed, B, T, H=6, Vd=13, pad=3, dtype=torch.float32):
+    """hidden, lm_head weight, and target logits as the trainer passes them: a T-slice of a tensor
+    padded along T (not viewable as [B·T, Vd]); valid has holes, and whole invalid rows."""
+    g = torch.Generator().manual_seed(seed)
+    hidden = (2 * torch.randn(B, T, H, generator=g)).to(dtype).requires_grad_(True)
+    weight = torch.randn(Vd, H, generator=g).to(dtype).requires_grad_(True)
+    padded = 3 * torch.randn(B, T + pad, Vd, generator=g)
+    valid = torch.rand(B, T, generator=g) > 0.35
+    valid[0, :2] = False
+    return hidden, weight, padded[:, 1:1 + T], valid
+
+
+def _plain_linear_ce(hidden, weight, target, valid, reduction="valid", denom=None):
+    """The reference: plain autograd through the logits."""
+    logits = hidden @ weight.t()
+    loss = L.soft_ce(logits, torch.softmax(target.float(), -1), valid, reduction)
+    if denom is not None:  # soft_ce's count → the given denominator
+        loss = loss * L._denominator(valid, reduction) / denom
+    return loss, logits
+
+
+@pytest.mark.parametrize("B,T,rows", [(1, 9, 4), (2, 7, 3), (2, 7, 5), (2, 7, 14), (3, 5, 100), (2, 6, 1)])
+@pytest.mark.parametrize("reduction", ["valid", "all", "denom"])
+def test_linear_soft_ce_equals_plain_autograd(B, T, rows, reduction):
+    hidden, weight, target, valid = _linear_case(B * 100 + T + rows, B, T)
+    denom = torch.tensor(17.0) if reduction == "denom" else None
+    red = "valid" if reduction == "denom" else reduction
+    loss, ids = L.linear_soft_ce(hidden, weight, target, valid, red, denom=denom, rows_per_chunk=rows)
+    gh, gw = torch.autograd.grad(0.7 * loss, (hidden, weight))  # grad_output ≠ 1 reaches both grads
+    ref, logits = _plain_linear_ce(hidden, weight, target, valid, red, denom)
+    rh, rw = torch.autograd.grad(0.7 * ref, (hidden, weight))
+    assert loss.dtype == torch.float32 and loss.item() == pytest.approx(ref.item(), rel=1e-5, abs=1e-6)
+    assert gh.dtype == hidden.dtype and gw.dtype == weight.dtype
+    torch.testing.assert_close(gh, rh, rtol=0, atol=1e-5)
+    torch.testing.assert_close(gw, rw, rtol=0, atol=1e-5)
+    assert torch.equal(ids, logits.argmax(-1)) and ids.dtype == torch.long and not ids.requires_grad
+    assert gh[~valid].abs().max() == 0  # invalid rows get no gradient
+
+
+def test_linear_soft_ce_keeps_only_the_two_grads_for_backward():
+    B, T, H, Vd = 2, 9, 6, 40
+    hidden, weight, target, valid = _linear_case(1, B, T, H, Vd)
+    loss, _ = L.linear_soft_ce(hidden, weight, target, valid, rows_per_chunk=4)
+    shapes = sorted(tuple(t.shape) for t in loss.grad_fn.saved_tensors)
+    assert shapes == [(), (B * T, H), (Vd, H)]  # ∂hidden, ∂lm_head, the denominator: nothing Vd-wide per row
+
+
+def test_linear_soft_ce_all_invalid_and_partial_requires_grad():
+    hidden, weight, target, valid = _linear_case(2, 2, 5)
+    loss, _ = L.linear_soft_ce(hidden, weight, target, torch.zeros_like(valid), rows_per_chunk=3)
+    gh, gw = torch.autograd.grad(loss, (hidden, weight))
+    assert loss.item() == 0.0 and not gh.any() and not gw.any()
+    frozen = weight.detach()  # only hidden needs a gradient (and the other way round)
+    loss, _ = L.linear_soft_ce(hidden, frozen, target, valid, rows_per_chunk=3)
+    (gh,) = torch.autograd.grad(loss, hidden)
+    (rh,) = torch.autograd.grad(_plain_linear_ce(hidden, frozen, target, valid)[0], hidden)
+    torch.testing.assert_close(gh, rh, rtol=0, atol=1e-5)
+    loss, _ = L.linear_soft_ce(hidden.detach(), weight, target, valid, rows_per_chunk=3)
+    (gw,) = torch.autograd.grad(loss, weight)
+    (rw,) = torch.autograd.grad(_plain_linear_ce(hidden.detach(), weight, target, valid)[0], weight)
+    torch.testing.assert_close(gw, rw, rtol=0, atol=1e-5)
+    with torch.no_grad():  # validation: the same loss and argmax, no graph
+        loss_ng, ids_ng = L.linear_soft_ce(hidden, weight, target, valid, rows_per_chunk=3)
+    loss, ids = L.linear_soft_ce(hidden, weight, target, valid, rows_per_chunk=3)
+    assert loss_ng.grad_fn is None and loss_ng.item() == loss.item() and torch.equal(ids_ng, ids)
+
+
+def test_linear_soft_ce_computes_logits_in_the_autocast_dtype():
+    """Under bf16 autocast the logits are bf16 as nn.Linear's would be; grads come back in the inputs'
+    dtypes. Reference: the old trainer path (F.linear under autocast, then soft_ce_chunked)."""
+    hidden, weight, target, valid = _linear_case(4, 2, 8, H=16, Vd=24)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss, ids = L.linear_soft_ce(hidden, weight, target, valid, rows_per_chunk=5)
+        logits = torch.nn.functional.linear(hidden, weight)
+        ref = L.soft_ce_chunked(logits, target, torch.arange(24), valid, chunk_size=7)
+    gh, gw = torch.autograd.grad(loss, (hidden, weight))
+    rh, rw = torch.autograd.grad(ref, (hidden, weight))
+    assert logits.dtype == torch.bfloat16 and gh.dtype == torch.float32 and gw.dtype == torch.float32
+    assert loss.item() == pytest.approx(ref.item(), rel=1e-5)
+    assert torch.equal(ids, logits.argmax(-1))
+    torch.testing.assert_close(gh, rh, rtol=2e-2, atol=1e-3)
+    torch.testing.assert_close(gw, rw, rtol=2e-2, atol=1e-3)
+    fp32, _ = L.linear_soft_ce(hidden, weight, target, valid)  # without autocast: fp32 logits, another value
+    assert abs(fp32.item() - loss.item()) > 1e-5
+
+
+def test_linear_soft_ce_bf16_inputs_without_autocast_stay_bf16():
+    """FSDP2 mixed precision: bf16 hidden and lm_head, no autocast → bf16 logits as nn.Linear's, bf16 grads."""
+    hidden, weight, target, valid = _linear_case(6, 2, 9, H=16, Vd=24, dtype=torch.bfloat16)
+    loss, ids = L.linear_soft_ce(hidden, weight, target.bfloat16(), valid, rows_per_chunk=5)
+    gh, gw = torch.autograd.grad(0.8 * loss, (hidden, weight))
+    logits = torch.nn.functional.linear(hidden, weight)
+    ref = L.soft_ce_chunked(logits, target.bfloat16(), torch.arange(24), valid, chunk_size=7)
+    rh, rw = torch.autograd.grad(0.8 * ref, (hidden, weight))
+    assert gh.dtype == torch.bfloat16 and gw.dtype == torch.bfloat16 and torch.equal(ids, logits.argmax(-1))
+    assert loss.item() == pytest.approx(ref.item(), rel=1e-5)
+    torch.testing.assert_close(gh.float(), rh.float(), rtol=2e-2, atol=2e-3)
+    torch.testing.assert_close(gw.float(), rw.float(), rtol=2e-2, atol=2e-3)

@@ -345,3 +345,72 @@ def test_ttt_losses_and_logits_equal_specforge_v020():
         for i in range(k):
             hidden, logits = d.step(hidden, shift_left(ids0, i), torch.arange(T) + i, cache)
             torch.testing.assert_close(logits[0, :T - i], torch.tensor(gold["logits"][i]), rtol=0, atol=1e-5)
+
+
+def _old_ttt_forward(d, k, aux, ids0, mask0, target0, argmax0, counts, chunk):
+    """The trainer's step before lm_head was fused into the loss: [B, T, Vd] logits from drafter.step,
+    soft_ce_chunked over draft-vocab chunks, rescaled from the local to the global count."""
+    from draftport.drafter import TTTCache
+    from draftport.losses import position_valid, shift_left, soft_ce_chunked, step_accuracy
+
+    B, T = ids0.shape
+    cache, hidden = TTTCache.empty(d.num_layers), d.project(aux)
+    cols = torch.arange(target0.shape[-1])
+    loss, stats, hits_all = 0.0, [], []
+    for i in range(k):
+        ids_i, mask_i, am_i = shift_left(ids0, i), shift_left(mask0, i), shift_left(argmax0, i)
+        valid = position_valid(mask_i, am_i, d.t2d)
+        hidden, logits = d.step(hidden, ids_i, torch.arange(T) + i, cache)
+        ce = soft_ce_chunked(logits, target0[:, i:i + T], cols, valid, chunk)
+        li = ce * (valid.sum().clamp_min(1) / counts[i].clamp_min(1))
+        loss = loss + 0.8 ** i * li
+        hits = step_accuracy(logits, None, d.d2t, mask_i, target_argmax=am_i)
+        stats.append(torch.stack([li.detach(), hits.sum().float(), mask_i.sum().float()]))
+        hits_all.append(hits)
+    return loss, torch.stack(stats, 1), hits_all
+
+
+@pytest.mark.parametrize("norm_output", [False, True])
+def test_fused_lm_head_loss_equals_the_logits_path(norm_output):
+    """TTTModel (lm_head fused into the soft CE, row chunks of 5 that straddle the two samples) gives
+    the loss, per-step stats, hits and every parameter gradient of the logits-then-loss path."""
+    import torch.nn.functional as F
+
+    from draftport.drafter import Eagle3Drafter, TTTCache
+    from draftport.losses import shift_left
+    from draftport.train import TTTModel
+
+    d, aux, ids0, target, mask0 = golden_case()
+    if norm_output:  # EAGLE-3.1: the step output is normed already; otherwise lm_head reads norm(out)
+        d31 = Eagle3Drafter.from_config({**GOLDEN_CFG, "norm_output": True}, seed=7)
+        d31.load_state_dict(d.state_dict())
+        d31.set_embedding(d.embed_tokens.weight)
+        d = d31
+    assert d.spec.norm_output is norm_output
+    k, (B, T) = 4, ids0.shape
+    used = torch.nonzero(d.t2d).reshape(-1)
+    with torch.no_grad():  # plant hits: target row r peaks at step (r mod k)'s draft at position r − i
+        cache, hidden, drafted = TTTCache.empty(d.num_layers), d.project(aux), []
+        for i in range(k):
+            hidden, logits = d.step(hidden, shift_left(ids0, i), torch.arange(T) + i, cache)
+            drafted.append(d.to_target_ids(logits.argmax(-1)))
+        for r in range(T):
+            i = r % k
+            if r - i >= 0 and r % 2 == 0:
+                target[torch.arange(B), r, drafted[i][:, r - i]] += 30.0
+    target0 = F.pad(target[..., used], (0, 0, 0, k))
+    argmax0 = target.argmax(-1)
+    counts = torch.tensor([29, 27, 25, 23])  # global counts, as another rank's positions would add
+    names, params = zip(*[(n, p) for n, p in d.named_parameters() if p.requires_grad])
+
+    loss, stats, hits, _ = TTTModel(d, k, 5)(aux, ids0, mask0, target0, argmax0, counts, with_hits=True)
+    grads = torch.autograd.grad(loss, params)
+    old_loss, old_stats, old_hits = _old_ttt_forward(d, k, aux, ids0, mask0, target0, argmax0, counts, 7)
+    old_grads = torch.autograd.grad(old_loss, params)
+
+    assert loss.item() == pytest.approx(old_loss.item(), rel=1e-5) and loss.item() > 1.0
+    torch.testing.assert_close(stats, old_stats, rtol=1e-5, atol=1e-6)
+    assert all(torch.equal(a, b) for a, b in zip(hits, old_hits)) and sum(int(h.sum()) for h in hits) > 0
+    for name, g, og in zip(names, grads, old_grads):
+        assert og.abs().max() > 0, name
+        torch.testing.assert_close(g, og, rtol=1e-4, atol=1e-6 * og.abs().max().item(), msg=name)

@@ -159,6 +159,136 @@ def soft_ce_chunked(draft_logits: torch.Tensor, target_logits: torch.Tensor, t2d
                                 _denominator(valid, reduction).to(draft_logits.device), chunk_size)
 
 
+def _row_block(x: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """Rows start..stop of x [B, T, C] read as [B·T, C]. A T-slice of a padded tensor (target0[:, i:i + T])
+    cannot be viewed as [B·T, C], and reshaping it would copy all of it; this copies at most one chunk."""
+    T = x.shape[1]
+    parts, r = [], start
+    while r < stop:
+        b, t = divmod(r, T)
+        n = min(stop - r, T - t)
+        parts.append(x[b, t:t + n])
+        r += n
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _scaled(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, rows: int) -> torch.Tensor:
+    """x · scale computed in fp32 and returned in `dtype`, `rows` rows at a time (bounded fp32 temporaries).
+    Multiplying a bf16 tensor by the scale directly would round the scale itself to bf16: a bias of up
+    to 0.4 % shared by every element."""
+    out = torch.empty(x.shape, dtype=dtype, device=x.device)
+    for start in range(0, x.shape[0], rows):
+        out[start:start + rows] = x[start:start + rows].float() * scale
+    return out
+
+
+def _soft_ce_rows(logits: torch.Tensor, target_logits: torch.Tensor, valid: torch.Tensor, with_grad: bool):
+    """One row chunk of the fused loss. logits [C, Vd] (any float dtype; consumed: an fp32 one is
+    overwritten), target_logits [C, Vd], valid [C].
+    -> (Σ of the per-position loss over valid rows, fp32 scalar; argmax int64 [C]; ∂/∂logits of that sum,
+    fp32 [C, Vd], zero at invalid rows, or None). The fp32 work tensors die when this returns."""
+    z = logits.float()
+    m, ids = z.max(-1)                                        # the first maximum, as argmax
+    z.sub_(m.unsqueeze(-1))
+    p = torch.softmax(target_logits, dim=-1, dtype=torch.float32)
+    cross = torch.bmm(p.unsqueeze(1), z.unsqueeze(2)).reshape(-1)   # Σ_v P (z − m) without a [C, Vd] product
+    z.exp_()
+    s = z.sum(-1)
+    per_pos = torch.log(s) - cross                            # logsumexp(logits) − Σ P logits, as Σ P = 1
+    total = torch.where(valid, per_pos, torch.zeros_like(per_pos)).sum()
+    if not with_grad:
+        return total, ids, None
+    g = z.div_(s.unsqueeze(-1)).sub_(p)                       # softmax(logits) − P
+    return total, ids, g.masked_fill_(~valid.unsqueeze(-1), 0.0)  # invalid rows: no gradient, even non-finite
+
+
+class _LinearSoftCE(torch.autograd.Function):
+    """lm_head and soft CE fused, streamed over row chunks, gradients computed during the forward.
+
+    Per chunk of C positions: logits = h_c Wᵀ in the compute dtype (what nn.Linear would give), then in
+    fp32 loss_t = logsumexp(logits_t) − Σ_v P_tv logits_tv and g = ∂loss/∂logits = softmax(logits) − P at
+    valid rows, which goes straight through the two backward matmuls: ∂h_c = g W, ∂W += gᵀ h_c. So no
+    [B, T, Vd] tensor exists at any time, nothing Vd-wide is kept for backward, and each logit is made
+    once instead of being written, read by the loss and re-read by its backward. Kept for backward:
+    ∂h ([B·T, H], compute dtype: the reference's bf16 matmul rounds it there too) and ∂W ([Vd, H], summed
+    in fp32, stored in W's dtype), both unscaled; the backward multiplies them by grad_output / denom.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, target_logits, valid, denom, rows, compute_dtype, need_h, need_w):
+        B, T, H = hidden.shape
+        N, dev = B * T, hidden.device
+        h, v = hidden.reshape(N, H), valid.reshape(N)
+        w = weight.to(compute_dtype)
+        total = torch.zeros((), dtype=torch.float32, device=dev)
+        draft_ids = torch.empty(N, dtype=torch.long, device=dev)
+        grad_h = torch.empty(N, H, dtype=compute_dtype, device=dev) if need_h else None
+        grad_w = torch.zeros(w.shape, dtype=torch.float32, device=dev) if need_w else None
+        with torch.autocast(dev.type, enabled=False):  # the matmuls run in compute_dtype, as cast
+            for start in range(0, N, rows):
+                stop = min(start + rows, N)
+                h_c = h[start:stop].to(compute_dtype)
+                part, ids, g = _soft_ce_rows(torch.mm(h_c, w.t()), _row_block(target_logits, start, stop),
+                                             v[start:stop], need_h or need_w)
+                total += part
+                draft_ids[start:stop] = ids
+                if g is None:
+                    continue
+                g = g.to(compute_dtype)
+                if need_h:
+                    torch.mm(g, w, out=grad_h[start:stop])
+                if need_w:  # summed over chunks in fp32 (straight into the sum when the chunks are fp32)
+                    if compute_dtype == torch.float32:
+                        grad_w.addmm_(g.t(), h_c)
+                    else:
+                        grad_w += torch.mm(g.t(), h_c)
+        ctx.mark_non_differentiable(draft_ids)
+        ctx.save_for_backward(grad_h, None if grad_w is None else grad_w.to(weight.dtype), denom)
+        ctx.shape, ctx.hidden_dtype, ctx.weight_dtype, ctx.rows = hidden.shape, hidden.dtype, weight.dtype, rows
+        return total / denom, draft_ids.view(B, T)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_loss, grad_ids):
+        grad_h, grad_w, denom = ctx.saved_tensors
+        scale = grad_loss.float() / denom
+        dh = None if grad_h is None else _scaled(grad_h, scale, ctx.hidden_dtype, ctx.rows).view(ctx.shape)
+        dw = None if grad_w is None else _scaled(grad_w, scale, ctx.weight_dtype, ctx.rows)
+        return dh, dw, None, None, None, None, None, None, None
+
+
+def linear_soft_ce(hidden: torch.Tensor, weight: torch.Tensor, target_logits: torch.Tensor, valid: torch.Tensor,
+                   reduction: str = "valid", denom: torch.Tensor | None = None,
+                   rows_per_chunk: int = 8192) -> tuple[torch.Tensor, torch.Tensor]:
+    """`soft_ce(hidden @ weight.T, softmax(target_logits), valid, reduction)` and the draft argmax, with the
+    lm_head fused in (see _LinearSoftCE): for the TTT trainer, whose 7 steps would otherwise each keep
+    [B, T, Vd] logits for backward.
+
+    hidden [B, T, H] (what lm_head reads), weight [Vd, H], target_logits [B, T, Vd] already on the draft
+    columns (any dtype, any strides: a T-slice of a padded tensor is fine), valid bool [B, T].
+    denom: divide by this instead of the `reduction`'s count (the trainer's global count of valid rows).
+    The logits are computed in the autocast dtype when autocast is on, else in hidden's and weight's
+    common dtype (what nn.Linear would do); everything after the matmul is fp32.
+    Returns (loss fp32 scalar, draft argmax int64 [B, T]; no gradient, ties → the first maximum).
+    """
+    if rows_per_chunk < 1:
+        raise ValueError(f"rows_per_chunk must be >= 1, got {rows_per_chunk}")
+    if hidden.dim() != 3 or target_logits.shape[:2] != hidden.shape[:2] or target_logits.shape[-1] != weight.shape[0]:
+        raise ValueError(f"hidden {tuple(hidden.shape)}, lm_head {tuple(weight.shape)} and target logits "
+                         f"{tuple(target_logits.shape)} do not fit [B, T, H], [Vd, H], [B, T, Vd]")
+    valid = valid.to(torch.bool)
+    dev = hidden.device.type
+    if torch.is_autocast_enabled(dev):
+        compute_dtype = torch.get_autocast_dtype(dev)
+    else:
+        compute_dtype = torch.promote_types(hidden.dtype, weight.dtype)
+    denom = _denominator(valid, reduction) if denom is None else denom
+    denom = denom.to(device=hidden.device, dtype=torch.float32)
+    grad_on = torch.is_grad_enabled()  # under no_grad (validation) skip the gradient matmuls entirely
+    return _LinearSoftCE.apply(hidden, weight, target_logits.detach(), valid, denom, rows_per_chunk,
+                               compute_dtype, grad_on and hidden.requires_grad, grad_on and weight.requires_grad)
+
+
 def step_weights(k: int, decay: float = DEFAULT_DECAY) -> list[float]:
     """Loss weight of each of the k TTT steps: decay^i (later steps are harder and noisier)."""
     return [decay ** i for i in range(k)]
@@ -194,7 +324,13 @@ def step_accuracy(draft_logits: torch.Tensor, target_logits: torch.Tensor | None
     decode time it is a certain rejection. Pass `target_argmax` to skip the [B, T, V] scan."""
     if target_argmax is None:
         target_argmax = target_logits.argmax(-1)
-    draft_ids = draft_logits.argmax(-1)                       # [B, T] in draft ids
+    return draft_hits(draft_logits.argmax(-1), d2t, loss_mask, target_argmax)
+
+
+@torch.no_grad()
+def draft_hits(draft_ids: torch.Tensor, d2t: torch.Tensor, loss_mask: torch.Tensor,
+               target_argmax: torch.Tensor) -> torch.Tensor:
+    """`step_accuracy` from the draft argmax [B, T] (draft ids) instead of the logits."""
     predicted = draft_ids + d2t.to(draft_ids.device)[draft_ids]
     return (predicted == target_argmax) & loss_mask.to(torch.bool)
 

@@ -18,8 +18,9 @@ drafter is also copied to <out>/final (engine files only).
 
 Speed: on CUDA the TTT attention runs as one fused flex-attention kernel for the step-0 causal keys
 plus the later steps' diagonal keys in closed form (flex_ttt_attention; no [T, T] scores, so long
-sequences fit), under bf16 autocast (one process) or FSDP2 bf16 mixed precision; the soft CE is
-chunked over the draft vocab; nothing in a step waits for the host but one scalar (is the gradient norm
+sequences fit), under bf16 autocast (one process) or FSDP2 bf16 mixed precision; lm_head and the soft
+CE are one fused op over row chunks that computes its gradients in the forward (losses.linear_soft_ce),
+so no step keeps [B, T, Vd] logits; nothing in a step waits for the host but one scalar (is the gradient norm
 finite: a NaN/Inf step is skipped, never applied) and the logging steps. On the
 CPU the target head (262k columns for Gemma) runs only over masked rows and is cached per sample.
 """
@@ -39,8 +40,8 @@ from torch import nn
 from draftport import checkpoint as ckpt
 from draftport import parallel
 from draftport.errors import DraftportError, bad_input
-from draftport.losses import (DEFAULT_DECAY, conditional_hit_counts, position_valid, shift_left, simulated_accept_len,
-                              soft_ce_chunked, step_accuracy)
+from draftport.losses import (DEFAULT_DECAY, conditional_hit_counts, draft_hits, linear_soft_ce, position_valid,
+                              shift_left, simulated_accept_len)
 from draftport.safeio import atomic_write_json
 
 EMBED = "drafter.embed_tokens."   # FQN prefix of the frozen target embedding: never checkpointed
@@ -77,7 +78,7 @@ class TrainConfig:
     max_grad_norm: float = 0.5           # gradient clipping (SpecForge's default)
     val_fraction: float = 0.05           # held-out share of the data (data.split_train_val, by seed)
     val_max_samples: int = 256           # validate on at most this many held-out samples
-    loss_chunk: int = 8192               # draft-vocab columns per chunk of the soft CE
+    loss_chunk: int = 8192               # positions per chunk of the fused lm_head + soft CE
     attention: str = "auto"              # TTT attention: flex (fused, CUDA) | eager | auto (flex on CUDA)
     lm_head_from_target: bool = False    # from scratch: lm_head rows start as the target's head rows
     target_cache_mb: int = 1024          # CPU: keep target-head results per sample up to this size
@@ -131,7 +132,8 @@ def flex_ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[t
 
 def ttt_step(d, hidden, ids, pos, cache, attention):
     """drafter.step's TTT form with the attention kernel chosen by the trainer (same modules and
-    order; `attention(q, keys, values)` sees every step's keys so far)."""
+    order; `attention(q, keys, values)` sees every step's keys so far). Returns hidden_out only: the
+    trainer applies lm_head inside its fused loss."""
     embeds = d.embed(ids)
     cos, sin = d.rope(pos)
     h = hidden.to(d.fc.weight.dtype)
@@ -141,17 +143,18 @@ def ttt_step(d, hidden, ids, pos, cache, attention):
             cache.values[li].append(v)
             return attention(q, cache.keys[li], cache.values[li])
         h = layer(h, embeds, cos, sin, attend)
-    out = d.norm(h) if d.spec.norm_output else h
-    return out, d.logits(out)
+    return d.norm(h) if d.spec.norm_output else h
 
 
 class TTTModel(nn.Module):
     """The drafter and its k-step unroll as one module, so FSDP2's root hooks see the whole step.
-    attention: "eager" (drafter.step and its ttt_attention) or "flex" (flex_ttt_attention, CUDA)."""
+    attention: "eager" (drafter.step and its ttt_attention) or "flex" (flex_ttt_attention, CUDA).
+    rows_per_chunk: positions per chunk of the fused lm_head + soft CE (losses.linear_soft_ce), whose
+    fp32 work tensors are [rows_per_chunk, Vd]; no step's [B, T, Vd] logits are ever built."""
 
-    def __init__(self, drafter: nn.Module, k: int, loss_chunk: int, attention: str = "eager"):
+    def __init__(self, drafter: nn.Module, k: int, rows_per_chunk: int, attention: str = "eager"):
         super().__init__()
-        self.drafter, self.k, self.loss_chunk, self.attention = drafter, k, loss_chunk, attention
+        self.drafter, self.k, self.rows_per_chunk, self.attention = drafter, k, rows_per_chunk, attention
 
     def forward(self, aux, ids0, mask0, target0, argmax0, counts, with_hits: bool = False):
         """aux [B,T,n·Ht]; ids0, argmax0 [B,T] long; mask0 [B,T] bool; target0 [B,T+k,Vd] target logits
@@ -162,7 +165,6 @@ class TTTModel(nn.Module):
         d, k = self.drafter, self.k
         B, T = ids0.shape
         pos = torch.arange(T, device=ids0.device)
-        cols = torch.arange(target0.shape[-1], device=ids0.device)  # target0 is already on the draft columns
         cache = TTTCache.empty(d.num_layers)  # right padding: causal keys never reach the pads
         hidden = d.project(aux)
         loss, stats, hits_all, masks_all = 0.0, [], [], []
@@ -170,13 +172,15 @@ class TTTModel(nn.Module):
             ids_i, mask_i, am_i = shift_left(ids0, i), shift_left(mask0, i), shift_left(argmax0, i)
             valid = position_valid(mask_i, am_i, d.t2d)
             if self.attention == "flex":
-                hidden, logits = ttt_step(d, hidden, ids_i, pos + i, cache, flex_ttt_attention)
+                hidden = ttt_step(d, hidden, ids_i, pos + i, cache, flex_ttt_attention)
             else:
-                hidden, logits = d.step(hidden, ids_i, pos + i, cache)              # logits [B, T, Vd]
-            ce = soft_ce_chunked(logits, target0[:, i:i + T], cols, valid, self.loss_chunk)  # / local count
-            li = ce * (valid.sum().clamp_min(1) / counts[i].clamp_min(1))           # → / global count
-            loss = loss + DEFAULT_DECAY ** i * li
-            hits = step_accuracy(logits, None, d.d2t, mask_i, target_argmax=am_i)
+                hidden, _ = d.step(hidden, ids_i, pos + i, cache, with_logits=False)
+            head_in = hidden if d.spec.norm_output else d.norm(hidden)  # what drafter.logits feeds lm_head
+            # lm_head inside the loss (d.lm_head.weight is gathered: FSDP2 keeps it in the root module)
+            li, draft_ids = linear_soft_ce(head_in, d.lm_head.weight, target0[:, i:i + T], valid,
+                                           denom=counts[i].clamp_min(1), rows_per_chunk=self.rows_per_chunk)
+            loss = loss + DEFAULT_DECAY ** i * li                                   # li: / global count
+            hits = draft_hits(draft_ids, d.d2t, mask_i, am_i)
             stats.append(torch.stack([li.detach().float(), hits.sum().float(), mask_i.sum().float()]))
             if with_hits:
                 hits_all.append(hits)
