@@ -77,6 +77,13 @@ def test_compiled_fusion_keeps_greedy_on_cpu():
     spec = SpecEngine(t, random_drafter(t), EngineConfig(max_len=40, fuse=True))
     assert spec.dfused is not None and spec.dfused.report["norms_fused"] > 0
     assert spec.generate(prompt, 10).token_ids == ref
+    # the shapes of several engines stay within dynamo's per-function limit (past it: silent eager)
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    from draftport.fusion import _COMPILED
+    limit = getattr(torch._dynamo.config, "recompile_limit", None) or torch._dynamo.config.cache_size_limit
+    for fn in _COMPILED:
+        assert len(_debug_get_cache_entry_list(fn.__code__)) < limit, fn.__name__
 
 
 def test_sdpa_choice_is_checked():

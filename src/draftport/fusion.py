@@ -46,7 +46,13 @@ def compiled(fn):
     shapes it has seen are compiled once; later processes hit Inductor's on-disk cache)."""
     c = _COMPILED.get(fn)
     if c is None:
-        c = _COMPILED[fn] = _FallBack(fn, torch.compile(fn))
+        # Why dynamic and a higher limit: one norm function serves [1, T, H] hidden states and
+        # [1, heads, T, D] q/k (3 vs 4 dims, 1 vs many heads, T = 1 vs T > 1, bf16 and fp32), for the
+        # target and the drafter. With the default 8 entries per function an H200 run exhausted the
+        # limit, and every shape after that (later engines' graphs) silently ran the eager norms.
+        limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+        setattr(torch._dynamo.config, limit, max(getattr(torch._dynamo.config, limit), 64))
+        c = _COMPILED[fn] = _FallBack(fn, torch.compile(fn, dynamic=True))
     return c
 
 
