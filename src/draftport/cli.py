@@ -83,6 +83,10 @@ def _add_common(p: argparse.ArgumentParser, *, target=False, data=False, out=Fal
         p.add_argument("--depth", type=int, default=None, help="draft depth k (chain default 3, tree default 5)")
         p.add_argument("--topk", type=int, default=1, help="1 = chain; >1 = EAGLE-2 dynamic tree")
         p.add_argument("--num-draft-tokens", type=int, default=None, help="tree: tokens verified per cycle (default 8)")
+        p.add_argument("--fuse", action=argparse.BooleanOptionalAction, default=None,
+                       help="compiled norms / rotary and grouped attention in the target pass (default: on CUDA)")
+        p.add_argument("--sdpa", default="auto", choices=["auto", "default", "efficient", "math", "cudnn"],
+                       help="target attention kernel; auto: graphed passes time each and keep the fastest")
     if json:
         p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 

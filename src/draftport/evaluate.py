@@ -50,6 +50,8 @@ class EvalConfig:
     depth: int | None = None             # k (chain default 3, tree default 5)
     topk: int = 1                        # 1 = chain, > 1 = EAGLE-2 tree
     num_draft_tokens: int | None = None  # tree nodes per verify (default 8)
+    fuse: bool | None = None             # engine's compiled target pass (default: on CUDA)
+    sdpa: str = "auto"                   # engine's target attention kernel
     device: str | None = None            # default: cuda when available
     dtype: str | None = None             # default: bf16 on cuda, fp32 on cpu
     seed: int = 0
@@ -73,6 +75,8 @@ class GenerateConfig:
     depth: int | None = None
     topk: int = 1
     num_draft_tokens: int | None = None
+    fuse: bool | None = None
+    sdpa: str = "auto"
     device: str | None = None
     dtype: str | None = None
     seed: int = 0
@@ -329,12 +333,13 @@ def run_eval(cfg: EvalConfig, *, target=None, drafter=None, console=None) -> dic
     prompts = encode_prompts(target, convs, cfg.chat_template, cfg.max_len)
     stops = stop_token_ids(target.tokenizer, cfg.chat_template, target.eos_token_ids)
     ecfg = EngineConfig(depth=cfg.depth, topk=cfg.topk, num_draft_tokens=cfg.num_draft_tokens,
-                        temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed).resolved()
+                        temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed, fuse=cfg.fuse,
+                        sdpa=cfg.sdpa).resolved()
     k = ecfg.depth
     per_cycle = max(ecfg.num_draft_tokens, k + 1, (k - 1) * ecfg.topk + 1)
     ecfg.max_len = max(len(p) for p in prompts) + N + k + per_cycle + 8
     base = SpecEngine(target, None, EngineConfig(temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed,
-                                                 max_len=ecfg.max_len))
+                                                 max_len=ecfg.max_len, fuse=cfg.fuse, sdpa=cfg.sdpa))
     spec = SpecEngine(target, drafter, ecfg)
     greedy = cfg.temperature <= 0
     n_base = N + k - 1                               # past N so the offline walk can score the last cycle
@@ -429,7 +434,10 @@ def run_eval(cfg: EvalConfig, *, target=None, drafter=None, console=None) -> dic
         "num_prompts": len(prompts), "new_tokens": sum(r["new_tokens"] for r in rows),
         "isolated_ms": steps,
         "config": {**asdict(cfg), "engine": {"depth": k, "topk": ecfg.topk, "num_draft_tokens": ecfg.num_draft_tokens,
-                                             "max_len": ecfg.max_len, "cuda_graphs": spec.use_graphs},
+                                             "max_len": ecfg.max_len, "cuda_graphs": spec.use_graphs,
+                                             "fused": spec.fused is not None, "sdpa": ecfg.sdpa,
+                                             "sdpa_choices": {"baseline": base.sdpa_choices(),
+                                                              "speculative": spec.sdpa_choices()}},
                    "aux_layers": spec.aux_layers, "device": str(target.device), "dtype": str(target.dtype),
                    "stop_token_ids": stops, "baseline_new_tokens": n_base,
                    "timing": "decode rates: tokens after the first / time after the prefill; warm-up excluded",
@@ -531,7 +539,8 @@ def run_generate(cfg: GenerateConfig, *, target=None, drafter=None) -> dict:
     ids = encode_prompts(target, [Conversation([{"role": "user", "content": cfg.prompt}])], cfg.chat_template, None)[0]
     stops = stop_token_ids(target.tokenizer, cfg.chat_template, target.eos_token_ids)
     ecfg = EngineConfig(depth=cfg.depth, topk=cfg.topk, num_draft_tokens=cfg.num_draft_tokens,
-                        temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed).resolved()
+                        temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed, fuse=cfg.fuse,
+                        sdpa=cfg.sdpa).resolved()
     ecfg.max_len = len(ids) + N + max(ecfg.num_draft_tokens, ecfg.depth + 1, (ecfg.depth - 1) * ecfg.topk + 1) + 8
     engine = SpecEngine(target, drafter, ecfg)
     if engine.use_graphs:  # capture the graphs first so the reported rate is the decoding's own
@@ -543,7 +552,9 @@ def run_generate(cfg: GenerateConfig, *, target=None, drafter=None) -> dict:
         text = text.split(s)[0]  # a base model runs on into the next "User:" turn; the engine stops on ids only
     return {"text": text, "token_ids": r.token_ids, "accept_len": r.accept_len if drafter is not None else 1.0,
             "tok_s": decode_rate(len(r.token_ids) - 1, r.timings.total_s - r.timings.prefill_s),
-            "cycles": r.cycles, "prompt_tokens": len(ids), "speculative": drafter is not None}
+            "cycles": r.cycles, "prompt_tokens": len(ids), "speculative": drafter is not None,
+            "engine": {"fused": engine.fused is not None, "sdpa": engine.cfg.sdpa, "cuda_graphs": engine.use_graphs,
+                       "sdpa_choices": engine.sdpa_choices()}}
 
 
 def generate_main(cfg: GenerateConfig) -> int:
