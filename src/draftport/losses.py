@@ -148,7 +148,9 @@ def soft_ce_chunked(draft_logits: torch.Tensor, target_logits: torch.Tensor, t2d
                     valid: torch.Tensor, chunk_size: int = 8192, reduction: str = "valid") -> torch.Tensor:
     """`soft_ce(draft_logits, target_probs_in_draft_vocab(target_logits, t2d), valid)` computed in
     draft-vocab chunks, for long sequences: takes the raw target logits [B, T, V] (any dtype) and
-    never builds fp32 [B, T, V] or [B, T, Vd]. The target side is a constant (no gradient)."""
+    never builds fp32 [B, T, V] or [B, T, Vd]. The target side is a constant (no gradient).
+    For logits that already exist (the trainer's own path is `linear_soft_ce`, which never builds them;
+    tests hold the two equal)."""
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     cols = draft_columns(t2d).to(target_logits.device)
