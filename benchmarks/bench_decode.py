@@ -205,6 +205,9 @@ def section_steps(target, drafter, args, hbm: float) -> dict:
         out[f"target_{T}_ms"] = time_call(lambda: base.target_pass(ids, n, ar[:T], tril), dev, args.repeats)
         if spec is not None:
             out[f"target_{T}_aux_ms"] = time_call(lambda: spec.target_pass(ids, n, ar[:T], tril), dev, args.repeats)
+        # queued back to back (no host sync between passes), as inside a decoding cycle
+        out[f"target_{T}_queued_ms"] = time_call(lambda: base.target_pass(ids, n, ar[:T], tril), dev, args.repeats,
+                                                 inner=8)
     # the same passes before this version's kernel work (HF's eager norms, the default attention kernel)
     from draftport.engine import EngineConfig, SpecEngine
     old = SpecEngine(target, None, EngineConfig(max_len=base.S, fuse=False, sdpa="default"))
