@@ -8,7 +8,7 @@ target logits to the draft vocab + their argmax, the 7-step unroll, backward and
 Model FLOPs per token as the anchor counts them: 6 × (7 × (decoder layer + lm_head) + fc).
 
 Usage: python benchmarks/bench_train.py [--T 2048] [--steps 8] [--shape 8b|gemma|tiny] [--checkpointing]
-                                       [--attention flex|eager] [--max-T]
+                                       [--attention flex|eager] [--max-T] [--no-compile]
 --max-T doubles T from --T (one step each) until a step runs out of memory and reports the largest
 that trained. Prints one line `RESULT {json}` per measurement.
 """
@@ -47,6 +47,8 @@ def main() -> None:
     ap.add_argument("--checkpointing", action="store_true")
     ap.add_argument("--attention", default=None, choices=["flex", "eager"], help="default: flex on CUDA")
     ap.add_argument("--max-T", action="store_true", help="find the longest trainable T (doubling)")
+    ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
+                    help="TTTModel(compile=...): compiled elementwise work (--no-compile: eager, as before)")
     ap.add_argument("--profile", default=None, help="write a torch-profiler kernel table of 2 steps (after the "
                     "timed ones) to this file")
     args = ap.parse_args()
@@ -85,7 +87,7 @@ def run(args, T: int, steps: int) -> dict:
 
         enable_activation_checkpointing(drafter)
     attention = args.attention or ("flex" if dev.type == "cuda" else "eager")
-    model = TTTModel(drafter, args.ttt, args.loss_chunk, attention)
+    model = TTTModel(drafter, args.ttt, args.loss_chunk, attention, compile=args.compile)
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4, fused=dev.type == "cuda")
     k = args.ttt
@@ -122,13 +124,13 @@ def run(args, T: int, steps: int) -> dict:
         print(f"step {i} {times[-1] * 1e3:.1f} ms loss {float(loss):.3f}", flush=True)
     if args.profile and steps > 2:
         profile_steps(step, dev, args.profile, f"{args.shape} T={T} attention={attention} "
-                      f"checkpointing={args.checkpointing}")
+                      f"checkpointing={args.checkpointing} compile={args.compile}")
     steady = sorted(times[3:])[len(times[3:]) // 2] if len(times) > 3 else min(times)
     mid = sum(p.numel() for n, p in drafter.named_parameters() if n.startswith("midlayer"))
     flops_tok = 6 * (k * (mid + drafter.lm_head.weight.numel()) + drafter.fc.weight.numel())
     tok_s = T / steady
     res = {"tool": "draftport TTTModel", "shape": args.shape, "T": T, "ttt": k, "checkpointing": args.checkpointing,
-           "attention": attention,
+           "attention": attention, "compile": args.compile,
            "step_ms_median": round(steady * 1e3, 1), "tok_s": round(tok_s), "model_GFLOP_per_tok": round(flops_tok / 1e9, 2),
            "MFU_vs_790TFLOPs": round(tok_s * flops_tok / 790e12, 3),
            "peak_mem_GB": round(torch.cuda.max_memory_allocated() / 1e9, 1) if dev.type == "cuda" else None,

@@ -286,3 +286,37 @@ def test_linear_soft_ce_bf16_inputs_without_autocast_stay_bf16():
     assert loss.item() == pytest.approx(ref.item(), rel=1e-5)
     torch.testing.assert_close(gh.float(), rh.float(), rtol=2e-2, atol=2e-3)
     torch.testing.assert_close(gw.float(), rw.float(), rtol=2e-2, atol=2e-3)
+
+
+@pytest.mark.parametrize("dtype,grad_dtypes", [(torch.float32, (torch.float32, None)),
+                                               (torch.bfloat16, (torch.bfloat16,))])
+def test_compiled_soft_ce_rows_equal_the_eager_ones(dtype, grad_dtypes):
+    """linear_soft_ce(compiled=True)'s per-chunk math (torch.compile, Inductor's C++ backend here) gives the
+    eager chunk's loss sum, argmax (ties → the first maximum) and g, already in the compute dtype; a row
+    with inf / nan logits that is not valid gets zero g; a shorter last chunk reuses the graph."""
+    from torch._dynamo.utils import counters
+
+    g = torch.Generator().manual_seed(0)
+    C, Vd = 7, 50
+    logits = (torch.randn(C, Vd, generator=g) * 3).to(dtype)
+    logits[0, 3] = logits[0, 9] = logits[0].float().max() + 1
+    logits[2, 0], logits[2, 5] = float("inf"), float("nan")
+    target = (torch.randn(C, Vd, generator=g) * 3).to(dtype)
+    valid = torch.tensor([1, 1, 0, 1, 0, 1, 1], dtype=torch.bool)
+    eager, fast = L._rows_kernel(False), L._rows_kernel(True)
+    for rows in (C, 5):
+        for grad_dtype in grad_dtypes:
+            frames = counters["frames"]["total"]
+            want = eager(logits[:rows].clone(), target[:rows], valid[:rows], grad_dtype)
+            got = fast(logits[:rows].clone(), target[:rows], valid[:rows], grad_dtype)
+            assert rows == C or counters["frames"]["total"] == frames, "the shorter chunk recompiled"
+            assert torch.isfinite(got[0]) and got[0].item() == pytest.approx(want[0].item(), rel=1e-6)
+            assert torch.equal(got[1], want[1]) and got[1][0] == 3
+            if grad_dtype is None:
+                assert got[2] is None and want[2] is None
+                continue
+            assert got[2].dtype == grad_dtype and torch.isfinite(got[2]).all() and not got[2][2].any()
+            tol = 1e-6 if dtype == torch.float32 else 1e-2  # bf16: g rounded once vs the eager double rounding
+            torch.testing.assert_close(got[2].float(), want[2].float(), rtol=tol, atol=tol)
+    from draftport.fusion import compile_failures
+    assert not compile_failures()

@@ -414,3 +414,63 @@ def test_fused_lm_head_loss_equals_the_logits_path(norm_output):
     for name, g, og in zip(names, grads, old_grads):
         assert og.abs().max() > 0, name
         torch.testing.assert_close(g, og, rtol=1e-4, atol=1e-6 * og.abs().max().item(), msg=name)
+
+
+def test_compiled_flex_merge_equals_ttt_attention():
+    """ttt_diagonal_merge compiled (flex_ttt_attention(compiled=True)'s merge; flex itself has no CPU
+    backward, so the step-0 causal part and its log-sum-exp come from a plain attention here) equals
+    drafter.ttt_attention over all steps' keys: values and the gradients of q and every key and value."""
+    from draftport.drafter import ttt_attention
+    from draftport.fusion import compile_failures, compiled
+    from draftport.train import ttt_diagonal_merge
+
+    g = torch.Generator().manual_seed(0)
+    B, Hq, Hkv, T, D, n = 2, 4, 2, 8, 16, 3
+    q = torch.randn(B, Hq, T, D, generator=g, requires_grad=True)
+    ks = [torch.randn(B, Hkv, T, D, generator=g, requires_grad=True) for _ in range(n)]
+    vs = [torch.randn(B, Hkv, T, D, generator=g, requires_grad=True) for _ in range(n)]
+    s = (q.view(B, Hkv, Hq // Hkv, T, D) @ ks[0].unsqueeze(2).transpose(-1, -2)) * D ** -0.5
+    s = s.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
+    out0 = (s.softmax(-1) @ vs[0].unsqueeze(2)).reshape(B, Hq, T, D)
+    got = compiled(ttt_diagonal_merge, dynamic=None)(out0, s.logsumexp(-1).reshape(B, Hq, T), q,
+                                                     torch.stack(ks[1:]), torch.stack(vs[1:]))
+    ref = ttt_attention(q, ks, vs)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    w = torch.randn(ref.shape, generator=g)
+    inputs = [q, *ks, *vs]
+    for a, b in zip(torch.autograd.grad((got * w).sum(), inputs), torch.autograd.grad((ref * w).sum(), inputs)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert not compile_failures()
+
+
+def test_compiled_ttt_step_equals_eager():
+    """TTTModel(compile=True) — compiled norms, RoPE, act·up and loss math, here also with the MLP
+    recomputed in backward (activation checkpointing replays the compiled forward) — gives the eager
+    model's loss, stats, hits and parameter gradients, and leaves the state_dict's keys as they were."""
+    import torch.nn.functional as F
+    from torch._dynamo.utils import counters
+
+    from draftport.fusion import compile_failures
+    from draftport.train import TTTModel, enable_activation_checkpointing
+
+    d, aux, ids0, target, mask0 = golden_case()
+    k, keys = 3, list(d.state_dict())
+    used = torch.nonzero(d.t2d).reshape(-1)
+    inputs = (aux, ids0, mask0, F.pad(target[..., used], (0, 0, 0, k)), target.argmax(-1), torch.tensor([20, 18, 16]))
+    params = [p for p in d.parameters() if p.requires_grad]
+    runs = []
+    for compile in (False, True):
+        if compile:
+            enable_activation_checkpointing(d)
+            frames = counters["frames"]["ok"]
+        loss, stats, hits, _ = TTTModel(d, k, 5, compile=compile)(*inputs, with_hits=True)
+        runs.append((loss, stats, hits, torch.autograd.grad(loss, params)))
+    (loss, stats, hits, grads), (c_loss, c_stats, c_hits, c_grads) = runs
+    assert counters["frames"]["ok"] > frames and not compile_failures(), "the compiled path did not run"
+    assert c_loss.item() == pytest.approx(loss.item(), rel=1e-6) and loss.item() > 1.0
+    torch.testing.assert_close(c_stats, stats, rtol=1e-6, atol=1e-6)
+    assert all(torch.equal(a, b) for a, b in zip(c_hits, hits))
+    for a, b in zip(c_grads, grads):
+        assert b.abs().max() > 0
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6 * b.abs().max().item())
+    assert list(d.state_dict()) == keys

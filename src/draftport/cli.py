@@ -137,6 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--ttt-steps", type=int, default=7)
     p.add_argument("--draft-vocab-size", type=int, default=None, help="default min(32000, V)")
+    p.add_argument("--lm-head-from-target", action="store_true",
+                   help="from scratch: the drafter's lm_head starts as the target's head rows (same hidden size)")
     p.add_argument("--aux-layers", type=_int_list, default=None)
     p.add_argument("--lr", type=float, default=None)
     p.add_argument("--val-every", type=int, default=None)
@@ -144,6 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-last", type=int, default=None)
     p.add_argument("--max-nonfinite-steps", type=int, default=5,
                    help="NaN/Inf loss steps are skipped; this many in a row stop the run (exit 2)")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="torch.compile the step's norms, RoPE, act·up, flex merge and loss math (default: on CUDA)")
 
     p = sub.add_parser("eval", help="online τ and tok/s vs no speculation")
     _add_common(p, target=True, out=True, samples=True, device=True, seed=True, template=True, gen=True)

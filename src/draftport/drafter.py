@@ -40,6 +40,7 @@ EAGLE-3.1 `norm_output`, and is what the next step reads. Draft id i maps to tar
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from dataclasses import dataclass
@@ -49,7 +50,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from draftport import fusion
 from draftport.errors import DraftportError
+from draftport.fusion import rms_norm_weight_after_cast as rms_norm  # LlamaRMSNorm's math, as the engine fuses it
 from draftport.spec import DrafterSpec
 
 Tensor = torch.Tensor
@@ -112,6 +115,50 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos[:, None] + rotate_half(x) * sin[:, None]
 
 
+def gated_act(act: Callable, gate: Tensor, up: Tensor) -> Tensor:
+    """The MLP's act(gate) · up."""
+    return act(gate) * up
+
+
+# ---------------------------------------------------------------------------------------------
+# compiled elementwise blocks (training)
+
+# Why: in a TTT training step on an H200 each norm, rotation and act·up ran as several separate
+# kernels, each a full memory pass in fp32 (the step's elementwise work was ~35 % of its time). Inside
+# `compiled_elementwise()` the modules call torch.compile'd versions of the pure functions above, one
+# fused kernel each, with autograd through them. Outside it (decoding, export, tests) nothing changes.
+ELEMENTWISE = (rms_norm, apply_rope, gated_act)
+_ACTIVE: dict = {}  # pure function -> its stand-in while a compiled_elementwise() block runs
+
+
+def _kernel(fn: Callable) -> Callable:
+    return _ACTIVE.get(fn, fn)
+
+
+def elementwise_state() -> dict:
+    """The stand-ins in force now (activation checkpointing replays its forward under the same ones)."""
+    return dict(_ACTIVE)
+
+
+@contextlib.contextmanager
+def elementwise_as(state: dict):
+    """Run the body with exactly these stand-ins (elementwise_state()), the previous ones restored after."""
+    prev = dict(_ACTIVE)
+    _ACTIVE.clear()
+    _ACTIVE.update(state)
+    try:
+        yield
+    finally:
+        _ACTIVE.clear()
+        _ACTIVE.update(prev)
+
+
+def compiled_elementwise(enabled: bool = True):
+    """Context: the drafter modules' norms, RoPE and act·up run compiled (fusion.compiled: shared per
+    process, dynamic shapes, eager again after a compiler error). enabled=False: the eager functions."""
+    return elementwise_as({fn: fusion.compiled(fn) for fn in ELEMENTWISE} if enabled else {})
+
+
 def ttt_attention(q: Tensor, keys: list[Tensor], values: list[Tensor],
                   key_padding: Tensor | None = None) -> Tensor:
     """Training-time-test attention. q [B, Hq, T, D]; keys/values: steps 0..i, each [B, Hkv, T, D].
@@ -163,10 +210,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        return _kernel(rms_norm)(x, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -184,7 +228,8 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        rope = _kernel(apply_rope)
+        q, k = rope(q, cos, sin), rope(k, cos, sin)
         out = attend(q, k, v)                                          # [B, Hq, T, D]
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
 
@@ -202,7 +247,7 @@ class MLP(nn.Module):
         self.act_fn = ACT2FN[spec.hidden_act]
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(_kernel(gated_act)(self.act_fn, self.gate_proj(x), self.up_proj(x)))
 
 
 class DecoderLayer(nn.Module):

@@ -41,18 +41,26 @@ VARIANTS = (rms_norm_weight_after_cast, rms_norm_unit_offset)
 _COMPILED: dict = {}
 
 
-def compiled(fn):
+def raise_recompile_limit(entries: int = 64) -> None:
+    """Let dynamo keep at least `entries` compiled versions per function (never lowers the limit).
+    Past the limit dynamo runs the function eagerly from then on, silently."""
+    limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+    setattr(torch._dynamo.config, limit, max(getattr(torch._dynamo.config, limit), entries))
+
+
+def compiled(fn, dynamic: bool | None = True):
     """One compiled object per function (shared by every module and engine in the process, so the
-    shapes it has seen are compiled once; later processes hit Inductor's on-disk cache)."""
+    shapes it has seen are compiled once; later processes hit Inductor's on-disk cache).
+    dynamic: torch.compile's, used when fn is first compiled (None: dims become symbolic once they
+    change, or where the caller marks them with torch._dynamo.maybe_mark_dynamic)."""
     c = _COMPILED.get(fn)
     if c is None:
         # Why dynamic and a higher limit: one norm function serves [1, T, H] hidden states and
         # [1, heads, T, D] q/k (3 vs 4 dims, 1 vs many heads, T = 1 vs T > 1, bf16 and fp32), for the
         # target and the drafter. With the default 8 entries per function an H200 run exhausted the
         # limit, and every shape after that (later engines' graphs) silently ran the eager norms.
-        limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
-        setattr(torch._dynamo.config, limit, max(getattr(torch._dynamo.config, limit), 64))
-        c = _COMPILED[fn] = _FallBack(fn, torch.compile(fn, dynamic=True))
+        raise_recompile_limit(64)
+        c = _COMPILED[fn] = _FallBack(fn, torch.compile(fn, dynamic=dynamic))
     return c
 
 

@@ -204,6 +204,43 @@ def _soft_ce_rows(logits: torch.Tensor, target_logits: torch.Tensor, valid: torc
     return total, ids, g.masked_fill_(~valid.unsqueeze(-1), 0.0)  # invalid rows: no gradient, even non-finite
 
 
+def _soft_ce_rows_fusable(logits: torch.Tensor, target_logits: torch.Tensor, valid: torch.Tensor,
+                          grad_dtype: torch.dtype | None):
+    """_soft_ce_rows written for torch.compile (out of place, so Inductor fuses it into a few row
+    reductions and one pointwise pass that writes g once, already in `grad_dtype`; None: no g).
+    Eagerly it would allocate several fp32 [C, Vd] temporaries, so the eager path stays _soft_ce_rows."""
+    z = logits.float()
+    m, ids = z.max(-1)                                        # the first maximum, as argmax
+    z = z - m.unsqueeze(-1)
+    p = torch.softmax(target_logits, dim=-1, dtype=torch.float32)
+    e = torch.exp(z)
+    s = e.sum(-1)
+    per_pos = torch.log(s) - (p * z).sum(-1)                  # logsumexp(logits) − Σ P logits, as Σ P = 1
+    total = torch.where(valid, per_pos, torch.zeros_like(per_pos)).sum()
+    if grad_dtype is None:
+        return total, ids, None
+    g = e / s.unsqueeze(-1) - p                               # softmax(logits) − P
+    return total, ids, torch.where(valid.unsqueeze(-1), g, torch.zeros_like(g)).to(grad_dtype)
+
+
+def _rows_kernel(compiled: bool):
+    """(logits, target_logits, valid, grad_dtype | None) -> (loss sum, argmax, g in grad_dtype | None)."""
+    if not compiled:
+        def eager(logits, target_logits, valid, grad_dtype):
+            total, ids, g = _soft_ce_rows(logits, target_logits, valid, grad_dtype is not None)
+            return total, ids, None if g is None else g.to(grad_dtype)
+        return eager
+    from draftport.fusion import compiled as compile_fn
+
+    fast = compile_fn(_soft_ce_rows_fusable, dynamic=None)  # Vd stays static; the row count is marked below
+
+    def run(logits, target_logits, valid, grad_dtype):
+        for t in (logits, target_logits, valid):  # the last chunk is shorter: one graph for every row count
+            torch._dynamo.maybe_mark_dynamic(t, 0)
+        return fast(logits, target_logits, valid, grad_dtype)
+    return run
+
+
 class _LinearSoftCE(torch.autograd.Function):
     """lm_head and soft CE fused, streamed over row chunks, gradients computed during the forward.
 
@@ -217,7 +254,7 @@ class _LinearSoftCE(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, target_logits, valid, denom, rows, compute_dtype, need_h, need_w):
+    def forward(ctx, hidden, weight, target_logits, valid, denom, rows, compute_dtype, need_h, need_w, compiled):
         B, T, H = hidden.shape
         N, dev = B * T, hidden.device
         h, v = hidden.reshape(N, H), valid.reshape(N)
@@ -226,17 +263,17 @@ class _LinearSoftCE(torch.autograd.Function):
         draft_ids = torch.empty(N, dtype=torch.long, device=dev)
         grad_h = torch.empty(N, H, dtype=compute_dtype, device=dev) if need_h else None
         grad_w = torch.zeros(w.shape, dtype=torch.float32, device=dev) if need_w else None
+        rows_fn = _rows_kernel(compiled)
         with torch.autocast(dev.type, enabled=False):  # the matmuls run in compute_dtype, as cast
             for start in range(0, N, rows):
                 stop = min(start + rows, N)
                 h_c = h[start:stop].to(compute_dtype)
-                part, ids, g = _soft_ce_rows(torch.mm(h_c, w.t()), _row_block(target_logits, start, stop),
-                                             v[start:stop], need_h or need_w)
+                part, ids, g = rows_fn(torch.mm(h_c, w.t()), _row_block(target_logits, start, stop), v[start:stop],
+                                       compute_dtype if need_h or need_w else None)
                 total += part
                 draft_ids[start:stop] = ids
                 if g is None:
                     continue
-                g = g.to(compute_dtype)
                 if need_h:
                     torch.mm(g, w, out=grad_h[start:stop])
                 if need_w:  # summed over chunks in fp32 (straight into the sum when the chunks are fp32)
@@ -256,12 +293,12 @@ class _LinearSoftCE(torch.autograd.Function):
         scale = grad_loss.float() / denom
         dh = None if grad_h is None else _scaled(grad_h, scale, ctx.hidden_dtype, ctx.rows).view(ctx.shape)
         dw = None if grad_w is None else _scaled(grad_w, scale, ctx.weight_dtype, ctx.rows)
-        return dh, dw, None, None, None, None, None, None, None
+        return dh, dw, None, None, None, None, None, None, None, None
 
 
 def linear_soft_ce(hidden: torch.Tensor, weight: torch.Tensor, target_logits: torch.Tensor, valid: torch.Tensor,
                    reduction: str = "valid", denom: torch.Tensor | None = None,
-                   rows_per_chunk: int = 8192) -> tuple[torch.Tensor, torch.Tensor]:
+                   rows_per_chunk: int = 8192, compiled: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """`soft_ce(hidden @ weight.T, softmax(target_logits), valid, reduction)` and the draft argmax, with the
     lm_head fused in (see _LinearSoftCE): for the TTT trainer, whose 7 steps would otherwise each keep
     [B, T, Vd] logits for backward.
@@ -271,6 +308,8 @@ def linear_soft_ce(hidden: torch.Tensor, weight: torch.Tensor, target_logits: to
     denom: divide by this instead of the `reduction`'s count (the trainer's global count of valid rows).
     The logits are computed in the autocast dtype when autocast is on, else in hidden's and weight's
     common dtype (what nn.Linear would do); everything after the matmul is fp32.
+    compiled: the per-chunk loss and gradient math as one torch.compile'd function (fusion.compiled) instead
+    of ~10 eager fp32 passes over [rows, Vd]; same results up to the order of fp32 sums.
     Returns (loss fp32 scalar, draft argmax int64 [B, T]; no gradient, ties → the first maximum).
     """
     if rows_per_chunk < 1:
@@ -288,7 +327,8 @@ def linear_soft_ce(hidden: torch.Tensor, weight: torch.Tensor, target_logits: to
     denom = denom.to(device=hidden.device, dtype=torch.float32)
     grad_on = torch.is_grad_enabled()  # under no_grad (validation) skip the gradient matmuls entirely
     return _LinearSoftCE.apply(hidden, weight, target_logits.detach(), valid, denom, rows_per_chunk,
-                               compute_dtype, grad_on and hidden.requires_grad, grad_on and weight.requires_grad)
+                               compute_dtype, grad_on and hidden.requires_grad, grad_on and weight.requires_grad,
+                               compiled)
 
 
 def step_weights(k: int, decay: float = DEFAULT_DECAY) -> list[float]:

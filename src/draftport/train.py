@@ -27,7 +27,9 @@ CPU the target head (262k columns for Gemma) runs only over masked rows and is c
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -84,6 +86,7 @@ class TrainConfig:
     target_cache_mb: int = 1024          # CPU: keep target-head results per sample up to this size
     activation_checkpointing: bool = False  # recompute the MLP in backward (long sequences)
     log_every: int | None = None         # metrics line every N steps (None: 1 on cpu, 10 on cuda); syncs
+    compile: bool | None = None          # torch.compile the step's elementwise work (None: on CUDA); same weights
     max_nonfinite_steps: int = 5         # a NaN/Inf loss or gradient skips its step; this many in a row stop the run
 
 
@@ -94,31 +97,52 @@ class TrainConfig:
 _FLEX: dict = {}  # the compiled flex_attention and causal block masks by (T, device)
 
 
-def flex_ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
+def _flex_fn():
+    """flex_attention compiled once per process, one graph per padded T (a multiple of 128).
+    Why static shapes and a raised limit: an H200 run with the defaults (automatic dynamic, 8 entries)
+    recompiled on each new T and on validation's no_grad, hit dynamo's limit ("[0/8] ... 'NoneType'
+    object has no attribute 'stride'") and from then on ran flex eagerly: slow, and it builds the
+    [T, T] scores flex exists to avoid. Entries: ≤ 2 per T (training, no_grad validation)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from draftport.fusion import raise_recompile_limit
+
+    if "fn" not in _FLEX:
+        _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
+    raise_recompile_limit(max(64, 2 * sum(isinstance(key, tuple) for key in _FLEX) + 8))
+    return _FLEX["fn"]
+
+
+def flex_ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
+                       compiled: bool = False) -> torch.Tensor:
     """drafter.ttt_attention's result without its [T, T] score matrix (CUDA): the step-0 causal part
     is one fused flex-attention kernel that also returns its log-sum-exp, and each later step adds
     its single diagonal key in closed form — softmax over the union = the two parts re-weighted by
-    their exp-sums. q [B, Hq, T, D]; keys / values: steps 0..i, each [B, Hkv, T, D]."""
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    their exp-sums. q [B, Hq, T, D]; keys / values: steps 0..i, each [B, Hkv, T, D].
+    compiled: that merge as one torch.compile'd function (ttt_diagonal_merge) instead of eager passes."""
+    from torch.nn.attention.flex_attention import create_block_mask
 
     B, Hq, T, D = q.shape
     Hkv = keys[0].shape[1]
     G = Hq // Hkv
-    if "fn" not in _FLEX:
-        _FLEX["fn"] = torch.compile(flex_attention)
     mask = _FLEX.get((T, q.device))
     if mask is None:
         mask = _FLEX[(T, q.device)] = create_block_mask(lambda b, h, qi, ki: ki <= qi, None, None, T, T,
                                                        device=q.device)
+    flex = _flex_fn()
     try:
         from torch.nn.attention.flex_attention import AuxRequest
-        out0, aux = _FLEX["fn"](q, keys[0], values[0], block_mask=mask, enable_gqa=G > 1,
-                                return_aux=AuxRequest(lse=True))
+        out0, aux = flex(q, keys[0], values[0], block_mask=mask, enable_gqa=G > 1, return_aux=AuxRequest(lse=True))
         lse0 = aux.lse
     except ImportError:  # torch < 2.9
-        out0, lse0 = _FLEX["fn"](q, keys[0], values[0], block_mask=mask, enable_gqa=G > 1, return_lse=True)
+        out0, lse0 = flex(q, keys[0], values[0], block_mask=mask, enable_gqa=G > 1, return_lse=True)
     if len(keys) == 1:
         return out0
+    if compiled:
+        from draftport.fusion import compiled as compile_fn
+
+        merge = compile_fn(ttt_diagonal_merge, dynamic=None)  # ≤ 2 step counts (1, ≥ 2) × T static/dynamic
+        return merge(out0, lse0, q, torch.stack(keys[1:]), torch.stack(values[1:]))
     qg = q.view(B, Hkv, G, T, D)
     diag = torch.stack([(qg * k.unsqueeze(2)).sum(-1) for k in keys[1:]], -1).float() * D ** -0.5  # [B,Hkv,G,T,i]
     l0 = lse0.float().view(B, Hkv, G, T, 1)
@@ -128,6 +152,23 @@ def flex_ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[t
     for j, v in enumerate(values[1:]):
         out = out + wd[..., j:j + 1] * v.unsqueeze(2).float()
     return (out / (w0 + wd.sum(-1, keepdim=True))).to(q.dtype).view(B, Hq, T, D)
+
+
+def ttt_diagonal_merge(out0: torch.Tensor, lse0: torch.Tensor, q: torch.Tensor, keys: torch.Tensor,
+                       values: torch.Tensor) -> torch.Tensor:
+    """flex_ttt_attention's merge as one pure function for torch.compile (the steps stacked, so the
+    compiled graph sees tensors, not lists whose length changes). out0 [B, Hq, T, D] and lse0 [B, Hq, T]:
+    causal attention over the step-0 keys; keys / values [n, B, Hkv, T, D]: steps 1..n's diagonal keys.
+    fp32 merge, output in q.dtype. Eagerly it holds n·[B, Hq, T, D] temporaries; the eager path loops."""
+    B, Hq, T, D = q.shape
+    Hkv = keys.shape[2]
+    qg = q.view(B, Hkv, Hq // Hkv, T, D)
+    diag = (qg * keys.unsqueeze(3)).sum(-1).float() * D ** -0.5                   # [n, B, Hkv, G, T]
+    l0 = lse0.float().view(B, Hkv, Hq // Hkv, T)
+    m = torch.maximum(l0, diag.amax(0)).detach()                  # any constant works; this one is stable
+    w0, wd = torch.exp(l0 - m), torch.exp(diag - m)
+    out = out0.view(qg.shape).float() * w0.unsqueeze(-1) + (wd.unsqueeze(-1) * values.unsqueeze(3).float()).sum(0)
+    return (out / (w0 + wd.sum(0)).unsqueeze(-1)).to(q.dtype).view(B, Hq, T, D)
 
 
 def ttt_step(d, hidden, ids, pos, cache, attention):
@@ -150,19 +191,31 @@ class TTTModel(nn.Module):
     """The drafter and its k-step unroll as one module, so FSDP2's root hooks see the whole step.
     attention: "eager" (drafter.step and its ttt_attention) or "flex" (flex_ttt_attention, CUDA).
     rows_per_chunk: positions per chunk of the fused lm_head + soft CE (losses.linear_soft_ce), whose
-    fp32 work tensors are [rows_per_chunk, Vd]; no step's [B, T, Vd] logits are ever built."""
+    fp32 work tensors are [rows_per_chunk, Vd]; no step's [B, T, Vd] logits are ever built.
+    compile: the step's elementwise work runs torch.compile'd — the drafter's norms, RoPE and act·up
+    (drafter.compiled_elementwise), the flex merge and the loss's per-chunk math; the same results up
+    to the order of fp32 sums, and the drafter's parameters and state_dict are untouched."""
 
-    def __init__(self, drafter: nn.Module, k: int, rows_per_chunk: int, attention: str = "eager"):
+    def __init__(self, drafter: nn.Module, k: int, rows_per_chunk: int, attention: str = "eager",
+                 compile: bool = False):
         super().__init__()
         self.drafter, self.k, self.rows_per_chunk, self.attention = drafter, k, rows_per_chunk, attention
+        self.compile = compile
 
     def forward(self, aux, ids0, mask0, target0, argmax0, counts, with_hits: bool = False):
         """aux [B,T,n·Ht]; ids0, argmax0 [B,T] long; mask0 [B,T] bool; target0 [B,T+k,Vd] target logits
         on the draft columns (padded by k); counts [k] global valid positions per step.
         Returns (loss, stats [3,k] = (loss_i, hits_i, masked_i), hits/masks per step if asked)."""
+        from draftport.drafter import compiled_elementwise
+
+        with compiled_elementwise(self.compile):  # backward needs no switch: autograd kept what forward ran
+            return self._unroll(aux, ids0, mask0, target0, argmax0, counts, with_hits)
+
+    def _unroll(self, aux, ids0, mask0, target0, argmax0, counts, with_hits):
         from draftport.drafter import TTTCache
 
         d, k = self.drafter, self.k
+        attention = functools.partial(flex_ttt_attention, compiled=self.compile)
         B, T = ids0.shape
         pos = torch.arange(T, device=ids0.device)
         cache = TTTCache.empty(d.num_layers)  # right padding: causal keys never reach the pads
@@ -172,13 +225,14 @@ class TTTModel(nn.Module):
             ids_i, mask_i, am_i = shift_left(ids0, i), shift_left(mask0, i), shift_left(argmax0, i)
             valid = position_valid(mask_i, am_i, d.t2d)
             if self.attention == "flex":
-                hidden = ttt_step(d, hidden, ids_i, pos + i, cache, flex_ttt_attention)
+                hidden = ttt_step(d, hidden, ids_i, pos + i, cache, attention)
             else:
                 hidden, _ = d.step(hidden, ids_i, pos + i, cache, with_logits=False)
             head_in = hidden if d.spec.norm_output else d.norm(hidden)  # what drafter.logits feeds lm_head
             # lm_head inside the loss (d.lm_head.weight is gathered: FSDP2 keeps it in the root module)
             li, draft_ids = linear_soft_ce(head_in, d.lm_head.weight, target0[:, i:i + T], valid,
-                                           denom=counts[i].clamp_min(1), rows_per_chunk=self.rows_per_chunk)
+                                           denom=counts[i].clamp_min(1), rows_per_chunk=self.rows_per_chunk,
+                                           compiled=self.compile)
             loss = loss + DEFAULT_DECAY ** i * li                                   # li: / global count
             hits = draft_hits(draft_ids, d.d2t, mask_i, am_i)
             stats.append(torch.stack([li.detach().float(), hits.sum().float(), mask_i.sum().float()]))
@@ -201,9 +255,14 @@ def enable_activation_checkpointing(drafter) -> None:
     Attention is not recomputed: its TTT cache grows as a side effect of the forward."""
     from torch.utils.checkpoint import checkpoint
 
+    from draftport.drafter import elementwise_as, elementwise_state
+
+    def replay_as_forward():  # the recompute runs in backward, outside TTTModel's compiled_elementwise()
+        return contextlib.nullcontext(), elementwise_as(elementwise_state())
+
     for layer in drafter.layers():
         fwd = layer.mlp.forward
-        layer.mlp.forward = lambda x, _f=fwd: checkpoint(_f, x, use_reentrant=False)
+        layer.mlp.forward = lambda x, _f=fwd: checkpoint(_f, x, use_reentrant=False, context_fn=replay_as_forward)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -317,7 +376,7 @@ def load_train_target(cfg: TrainConfig, device: torch.device, dtype: str):
 def request_config(cfg: TrainConfig, device: torch.device) -> dict:
     """The flags that decide the weights (not where output goes or how often it is written)."""
     skip = {"out", "restart", "json", "val_every", "save_every", "keep_last", "log_every", "val_max_samples",
-            "max_nonfinite_steps"}
+            "max_nonfinite_steps", "compile"}  # compile: the same weights either way
     d = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name not in skip}
     for key in ("target", "data", "init_from"):
         if d[key] and os.path.exists(d[key]):
@@ -439,7 +498,8 @@ def _run(cfg: TrainConfig, info, target, console) -> dict:
     attention = cfg.attention if cfg.attention != "auto" else ("flex" if dev.type == "cuda" else "eager")
     if attention not in ("flex", "eager") or (attention == "flex" and dev.type != "cuda"):
         raise DraftportError(f"attention {cfg.attention!r}: expected eager, or flex on CUDA")
-    model = TTTModel(drafter, k, cfg.loss_chunk, attention)
+    model = TTTModel(drafter, k, cfg.loss_chunk, attention,
+                     compile=cfg.compile if cfg.compile is not None else dev.type == "cuda")
     bf16 = dtype == "bf16"
     parallel.apply_fsdp(model, info, ignored_params={drafter.embed_tokens.weight}, bf16=bf16)
     amp = (lambda: torch.autocast(dev.type, dtype=torch.bfloat16)) if bf16 and not info.distributed else nullcontext
