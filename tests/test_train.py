@@ -165,6 +165,25 @@ def test_warm_start_keeps_vocab_mapping_and_lm_head_rows(store, tmp_path):
     assert r["vocab"]["vocab"].startswith("new mapping")
 
 
+def test_lm_head_from_target_starts_at_the_target_head_rows(store, tmp_path):
+    from draftport.cli import build_parser, config_from_args
+
+    args = build_parser().parse_args(["train", "--target", TARGET, "--data", store, "--lm-head-from-target"])
+    assert config_from_args(TrainConfig, args).lm_head_from_target
+    # a negligible lr (one Adam step moves a weight by ~lr): the saved head is the initial one; each draft row is the target head's row of its token
+    s = run_train(_cfg(store, tmp_path / "head", lm_head_from_target=True, steps=1, lr=1e-9), console=QUIET)
+    w = load_file(os.path.join(s["checkpoint"], "resume", "state.safetensors"))
+    from draftport.capture import TINY_TARGETS
+    from draftport.target import tiny_target
+
+    head = tiny_target(TINY_TARGETS[TARGET], seed=0, device="cpu", dtype="fp32").lm_head_weight.detach().float()
+    ids = torch.arange(w["model.drafter.d2t"].numel()) + w["model.drafter.d2t"]
+    torch.testing.assert_close(w["model.drafter.lm_head.weight"], head[ids], atol=1e-6, rtol=0)
+    plain = run_train(_cfg(store, tmp_path / "plain", steps=1, lr=1e-9), console=QUIET)
+    w0 = load_file(os.path.join(plain["checkpoint"], "resume", "state.safetensors"))
+    assert not torch.allclose(w0["model.drafter.lm_head.weight"], head[ids])
+
+
 # ---------------------------------------------------------------------------------------------
 # subprocess runs: the CLI, SIGKILL + rerun, torchrun
 
