@@ -463,12 +463,12 @@ class SpecEngine:
         clock.mark()
         return emitted, nxt
 
-    def _chain_cycle(self, last, n, state, clock):
-        """Chain: d_1 from the last extend, k-1 single-token steps, verify k+1, accept, extend."""
+    def _chain_drafts(self, h, dl, n):
+        """The chain's draft phase after _drafter_ready: k draft tokens [k] (target ids) from the row
+        predicting x_{n+1}, and the warped draft distributions over the target vocab when sampling.
+        A method of its own so evaluate.measure_steps times exactly what a cycle runs."""
         c, dev = self.cfg, self.device
         k, greedy = c.depth, c.temperature <= 0
-        clock.mark()
-        h, dl = self._drafter_ready(state)
         drafts, qs = [], []
         for j in range(1, k + 1):
             if greedy:
@@ -483,7 +483,15 @@ class SpecEngine:
                 p = torch.full((1,), n - 1 + j, dtype=torch.long, device=dev)
                 h, dl = self.drafter_step(h[None], tok[None], p, p, self._ar[None, :] <= p[:, None])
                 h, dl = h[0], dl[0]
-        d = torch.stack(drafts)                                            # [k]
+        return torch.stack(drafts), qs                                     # [k]
+
+    def _chain_cycle(self, last, n, state, clock):
+        """Chain: d_1 from the last extend, k-1 single-token steps, verify k+1, accept, extend."""
+        c, dev = self.cfg, self.device
+        k, greedy = c.depth, c.temperature <= 0
+        clock.mark()
+        h, dl = self._drafter_ready(state)
+        d, qs = self._chain_drafts(h, dl, n)
         clock.mark()
         nt = torch.full((), n, dtype=torch.long, device=dev)
         tokens = torch.cat([last[None], d])
@@ -501,12 +509,11 @@ class SpecEngine:
         clock.mark()
         return emitted, nxt, ("pending", aux, ext, nt, a)
 
-    def _tree_cycle(self, last, n, state, clock):
-        """EAGLE-2 tree: expand depth levels of K nodes, select N nodes, verify, accept, compact, extend."""
+    def _tree_drafts(self, h, dl, n, last):
+        """The tree's draft phase after _drafter_ready: D levels of K expanded nodes, then the N nodes
+        verify reads (sampling.tree_select). A method so measure_steps times exactly what a cycle runs."""
         c, dev = self.cfg, self.device
         K, D, N = c.topk, c.depth, c.num_draft_tokens
-        clock.mark()
-        h, dl = self._drafter_ready(state)
         levels = [sampling.tree_root_level(torch.log_softmax(dl, -1), self.d2t_ids, K)]
         base = n                                                           # draft rows live at slots n..
         front_h = h[None].expand(K, -1)                                    # [K, H] hidden of each frontier node's parent
@@ -523,7 +530,14 @@ class SpecEngine:
             parent_rank = nxt_lv.frontier // K                             # which frontier row each child came from
             front_h, anc = hk[parent_rank], anc[parent_rank]
             levels.append(nxt_lv)
-        tree = sampling.tree_select(levels, last, N)
+        return sampling.tree_select(levels, last, N)
+
+    def _tree_cycle(self, last, n, state, clock):
+        """EAGLE-2 tree: expand depth levels of K nodes, select N nodes, verify, accept, compact, extend."""
+        c, dev = self.cfg, self.device
+        clock.mark()
+        h, dl = self._drafter_ready(state)
+        tree = self._tree_drafts(h, dl, n, last)
         clock.mark()
         nt = torch.full((), n, dtype=torch.long, device=dev)
         logits, aux = self.target_pass(tree.tokens, nt, tree.depths, tree.attn_mask)
