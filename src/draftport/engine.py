@@ -556,6 +556,42 @@ class SpecEngine:
         clock.mark()
         return emitted, nxt, ("pending", aux[src], ext, nt, a)             # aux of the accepted nodes
 
+    @torch.no_grad()
+    def replay_tree(self, aux: torch.Tensor, seq: torch.Tensor, target_argmax: torch.Tensor, prompt_len: int,
+                    max_new_tokens: int) -> list[int]:
+        """Offline τ of a tree: greedy decoding's cycles over a known continuation, without verify passes.
+
+        seq [L] = prompt + the target's own greedy continuation, aux [L, n·Ht] its aux states and
+        target_argmax [L] its argmax, all from one teacher-forced target pass. Each cycle runs the
+        engine's own draft phase (_drafter_ready + _tree_drafts) on those states; a node is accepted
+        when its whole path matches the target's argmax (the true continuation), scored only where
+        that argmax is known (index ≤ L − 1, as offline.walk_cycles cuts chains). Then the drafter
+        re-reads the accepted positions' states, as after a verify. Returns the accepted drafts per cycle."""
+        dev, D, P = self.device, self.cfg.depth, prompt_len
+        seq, argmax, aux = seq.to(dev), target_argmax.to(dev), aux.to(dev, self.dtype)
+        L = seq.shape[0]
+        h, dl = self.drafter_extend(aux[:P], seq[1:P + 1], self._zero, graphed=False)
+        state = ("ready", h[-1], dl[-1])
+        budget = min(L - P, max_new_tokens)
+        n, produced, accepts = P, 1, []
+        rows = torch.arange(D + 1, device=dev)
+        while produced < budget and n < L:
+            h, dl = self._drafter_ready(state)
+            tree = self._tree_drafts(h, dl, n, seq[n])
+            idx = n + rows[:-1]                                            # argmax index of each path depth
+            want = torch.where(idx <= L - 1, argmax[idx.clamp_max(L - 1)], -1)
+            safe = tree.paths.clamp_min(0)
+            cand = torch.where(tree.paths >= 0, tree.tokens[safe], -2)    # -2: no node, never equal to want
+            a = int(sampling.leading_true(cand[:, 1:] == want[None]).max())
+            accepts.append(a)
+            nt = torch.full((), n, dtype=torch.long, device=dev)
+            ext = argmax[(n + rows.clamp_max(a)).clamp_max(L - 1)]        # accepted drafts, then the bonus
+            src = torch.where(rows <= a, n + rows, n).clamp_max(L - 1)    # padded rows read the root's, as decoding
+            state = ("pending", aux[src], ext, nt, torch.tensor(a, device=dev))
+            produced += a + 1
+            n += a + 1
+        return accepts
+
     def _emitted(self, a: torch.Tensor, ext: torch.Tensor) -> list[int]:
         """The cycle's one device→host copy: the accept count and the tokens behind it."""
         host = torch.cat([a[None], ext]).tolist()

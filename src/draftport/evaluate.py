@@ -4,12 +4,13 @@ For each prompt (the first user turn, chat template applied — `plain` for base
     baseline   the same engine without a drafter (same static-cache machinery, same CUDA graphs);
     speculative the engine with the drafter (chain, or EAGLE-2 tree with --topk > 1);
     HF generate the model's own `generate` (dynamic cache) as a second baseline (--no-hf-baseline skips);
-    offline τ  the teacher-forced simulation of offline.py, on --store when given, else on the
-               baseline's own outputs (the target's greedy text, so it should equal the online τ);
+    offline τ  the teacher-forced simulation on the baseline's own outputs (the target's greedy text,
+               so it should equal the online τ): chains by offline.py, trees by the engine's own draft
+               phase without verify passes (SpecEngine.replay_tree); with --store, offline.py's chains
+               on the capture store;
 and records τ, per-position acceptance, the acceptance histogram, per-cycle draft / verify / overhead
-times, and the tok/s that economics predicts from step times measured in isolation (a drafter step,
-the drafter's re-read of accepted states, a verify pass of k+1 tokens; medians of repeated calls) and
-the offline τ — which may disagree with the measurement: both are reported with the relative error.
+times, and the tok/s that economics predicts from step times measured in isolation (the cycle's draft
+phase, a verify pass of k+1 tokens or N tree nodes; medians of repeated calls) and the offline τ — which may disagree with the measurement: both are reported with the relative error.
 
 Rates are decode rates: tokens after the first / time after the prefill (the prefill costs the same
 with and without speculation, and its length is the prompt's, not the method's). HF generate's rate
@@ -308,19 +309,21 @@ def hf_generate_rate(target, prompt_ids: list[int], n_new: int, stop_ids: list[i
     return (decode_rate(n - 1, tn - t1) if n > 1 else None), n
 
 
-def offline_on_outputs(drafter, target, aux_layers, prompt_ids: list[int], continuation: list[int], depth: int,
-                       max_new_tokens: int):
-    """Offline walk over the baseline's own continuation of one prompt (teacher-forced, one target pass)."""
+def offline_on_outputs(spec, target, prompt_ids: list[int], continuation: list[int], max_new_tokens: int):
+    """Offline walk over the baseline's own continuation of one prompt (teacher-forced, one target pass):
+    chains through offline.sample_walk, trees through the engine's own draft phase (SpecEngine.replay_tree)."""
     import torch
 
-    from draftport.offline import sample_walk, target_argmax_from_hidden
+    from draftport.offline import WalkResult, sample_walk, target_argmax_from_hidden
 
     seq = torch.tensor(prompt_ids + continuation, dtype=torch.long)
-    out = target.forward(seq[None], aux_layers=aux_layers)
+    out = target.forward(seq[None], aux_layers=spec.aux_layers)
     argmax = target_argmax_from_hidden(target, out.last_hidden[0])
+    if spec.cfg.is_tree:
+        return WalkResult(cycle_accepts=spec.replay_tree(out.aux[0], seq, argmax, len(prompt_ids), max_new_tokens))
     mask = torch.zeros(seq.shape[0], dtype=torch.bool)
     mask[len(prompt_ids):] = True
-    return sample_walk(drafter, out.aux[0], seq, mask, argmax, depth, max_new_tokens)
+    return sample_walk(spec.drafter, out.aux[0], seq, mask, argmax, spec.cfg.depth, max_new_tokens)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -411,7 +414,7 @@ def run_eval(cfg: EvalConfig, *, target=None, drafter=None, console=None) -> dic
                     hf_rates.append(hf)
             w = None
             if store_result is None:
-                w = offline_on_outputs(drafter, target, spec.aux_layers, p, rb.token_ids, k, N)
+                w = offline_on_outputs(spec, target, p, rb.token_ids, N)
                 offline_cycles += w.cycle_accepts
                 offline_positions += w.position_accepts
             rows.append({
@@ -448,7 +451,8 @@ def run_eval(cfg: EvalConfig, *, target=None, drafter=None, console=None) -> dic
         "cycles": online["cycles"],
         "draft_ms": draft_ms, "verify_ms": verify_ms, "overhead_ms": overhead_ms,
         "cycle_ms": sum(x for x in (draft_ms, verify_ms, overhead_ms) if x is not None) if draft_ms else None,
-        "offline_accept_len": off["accept_len"], "offline_source": off_source, "offline_mode": "chain",
+        "offline_accept_len": off["accept_len"], "offline_source": off_source,
+        "offline_mode": "tree" if ecfg.is_tree and store_result is None else "chain",
         "offline_rel_err": rel_err(off["accept_len"], online["accept_len"]),
         "offline_per_position": off["per_position"], "offline_position_accept_len": off.get("position_accept_len"),
         "match_rate": tot["match"] / tot["compared"] if greedy and tot["compared"] else None,

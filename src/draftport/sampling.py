@@ -56,7 +56,7 @@ def _uniform(shape, device, generator: torch.Generator | None) -> torch.Tensor:
     return torch.rand(shape, device=device, generator=generator)
 
 
-def _leading_true(mask: torch.Tensor) -> torch.Tensor:
+def leading_true(mask: torch.Tensor) -> torch.Tensor:
     """[B, k] bool → [B] int64: the length of the all-true prefix of each row."""
     return mask.long().cumprod(-1).sum(-1)
 
@@ -72,7 +72,7 @@ def greedy_accept(draft_ids: torch.Tensor, target_logits: torch.Tensor) -> tuple
     and the bonus token argmax p_{n+a} at the first mismatch (or after the last draft).
     """
     target_ids = target_logits.argmax(-1)                        # [B, k+1]
-    a = _leading_true(draft_ids == target_ids[:, :-1])           # [B]
+    a = leading_true(draft_ids == target_ids[:, :-1])           # [B]
     return a, target_ids.gather(1, a[:, None])[:, 0]
 
 
@@ -91,7 +91,7 @@ def chain_accept(draft_ids: torch.Tensor, draft_probs: torch.Tensor, target_prob
     p_d = target_probs[:, :k].gather(-1, idx)[..., 0]            # [B, k]
     q_d = draft_probs.gather(-1, idx)[..., 0]                    # [B, k]
     u = _uniform((B, k), draft_ids.device, generator)
-    a = _leading_true(u * q_d < p_d)                             # u < p/q without dividing by q
+    a = leading_true(u * q_d < p_d)                             # u < p/q without dividing by q
     # Residual at the first rejection; p_{n+k} itself when everything was accepted.
     q_pad = torch.cat([draft_probs, torch.zeros_like(draft_probs[:, :1])], dim=1)  # [B, k+1, V]
     rows = torch.arange(B, device=draft_ids.device)
@@ -240,7 +240,7 @@ def tree_greedy_accept(tree: DraftTree, target_logits: torch.Tensor) -> tuple[to
     cand = torch.where(valid, tree.tokens[safe], -1)               # [N, D+1]
     pred = am[safe]                                                # [N, D+1] target argmax at path nodes
     match = cand[:, 1:] == pred[:, :-1]                            # [N, D]
-    acc = _leading_true(match)                                     # [N]
+    acc = leading_true(match)                                     # [N]
     best = acc.argmax().reshape(1)                                 # tensor indices: no host sync
     a = acc.index_select(0, best)[0]
     depth_ar = torch.arange(paths.shape[1], device=paths.device)
