@@ -335,6 +335,8 @@ def test_cuda_graphs_equal_eager(family, dtype):
                 first = eng.generate(prompt, NEW, seed=3)      # captures the graphs
                 if graphs:
                     assert eng._graphs and all(g.graph is not None for g in eng._graphs.values())
+                    if drafter is not None and cfg.temperature == 0:  # the draft phase captured whole
+                        assert eng._whole_phase and any(key[0] == "draft_phase" for key in eng._graphs)
                     _forbid_syncs_inside_cycles(eng)
                 runs[graphs] = (first, eng.generate(prompt, NEW, seed=3))  # replays only
             for e, g in zip(runs[False], runs[True]):

@@ -21,9 +21,11 @@ unchanged. On CUDA the verify pass and the draft steps replay from CUDA graphs; 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import inspect
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -52,6 +54,8 @@ class EngineConfig:
     fuse: bool | None = None             # compiled norms / rotary in the target pass (None: on CUDA); fusion.py
     sdpa: str = "auto"                   # target attention kernel: auto (graphed passes time each) | default |
                                          # efficient | math | cudnn
+    graph_draft_phase: bool = True       # with CUDA graphs: a cycle's whole draft phase (extend, steps, tree
+                                         # bookkeeping) as one graph, not one per drafter step (greedy only)
 
     @property
     def is_tree(self) -> bool:
@@ -75,8 +79,7 @@ class EngineConfig:
             raise DraftportError(f"need temperature >= 0 and 0 < top_p <= 1 (got {self.temperature}, {self.top_p})")
         if self.sdpa not in SDPA_CHOICES:
             raise DraftportError(f"sdpa must be one of {', '.join(SDPA_CHOICES)} (got {self.sdpa!r})")
-        return EngineConfig(depth, self.topk, nodes, self.temperature, self.top_p, self.max_len,
-                            self.use_cuda_graphs, self.seed, self.aux_layers, self.fuse, self.sdpa)
+        return dataclasses.replace(self, depth=depth, num_draft_tokens=nodes)
 
 
 SDPA_CHOICES = ("auto", "default", "efficient", "math", "cudnn")
@@ -270,6 +273,8 @@ class SpecEngine:
         self.use_graphs = use_graphs
         self._pool = torch.cuda.graph_pool_handle() if use_graphs else None
         self._graphs: dict[tuple, _Graphed] = {}
+        # eager on the CPU too (same code path as the captured graph, so the CPU tests cover it)
+        self._whole_phase = self.cfg.graph_draft_phase
         fuse = self.cfg.fuse if self.cfg.fuse is not None else self.device.type == "cuda"
         self.fused = FusedTarget(self.model) if fuse else None
         self.dfused = None
@@ -463,12 +468,14 @@ class SpecEngine:
         clock.mark()
         return emitted, nxt
 
-    def _chain_drafts(self, h, dl, n):
+    def _chain_drafts(self, h, dl, n, step=None):
         """The chain's draft phase after _drafter_ready: k draft tokens [k] (target ids) from the row
         predicting x_{n+1}, and the warped draft distributions over the target vocab when sampling.
-        A method of its own so evaluate.measure_steps times exactly what a cycle runs."""
+        n: int, or a 0-dim tensor inside a captured draft phase; step: the drafter step (default the
+        per-step graphed one)."""
         c, dev = self.cfg, self.device
         k, greedy = c.depth, c.temperature <= 0
+        step = step or self.drafter_step
         drafts, qs = [], []
         for j in range(1, k + 1):
             if greedy:
@@ -480,18 +487,50 @@ class SpecEngine:
             tok = self.d2t_ids.index_select(0, did.reshape(1))[0]           # tensor index: no host sync
             drafts.append(tok)
             if j < k:  # row j sits at position (and slot) n-1+j and sees every slot up to its own
-                p = torch.full((1,), n - 1 + j, dtype=torch.long, device=dev)
-                h, dl = self.drafter_step(h[None], tok[None], p, p, self._ar[None, :] <= p[:, None])
+                p = _positions(n - 1 + j, 1, dev)
+                h, dl = step(h[None], tok[None], p, p, self._ar[None, :] <= p[:, None])
                 h, dl = h[0], dl[0]
         return torch.stack(drafts), qs                                     # [k]
+
+    def draft_phase(self, state, n: int, last):
+        """A cycle's draft phase: the drafter made ready (after a cycle: its extend over the accepted
+        rows), then the chain's k drafts [k] or the tree (DraftTree); the chain's sampling
+        distributions as a second value (empty when greedy). With CUDA graphs and greedy decoding,
+        a cycle after the first runs it as ONE graph (`_whole_phase_fn`): on a launch-bound target the
+        per-step graphs left ~10 small eager ops between drafter steps, which cost more than the steps."""
+        c = self.cfg
+        if self._whole_phase and state[0] == "pending" and c.temperature <= 0:
+            _, aux, ext, nt, a = state
+            try:
+                out = self._call("draft_phase", self._whole_phase_fn, aux, ext, nt, a, last)
+                return out, []
+            except RuntimeError as exc:  # a capture this build cannot do: keep the per-step graphs
+                self._whole_phase = False
+                self._graphs.pop(("draft_phase", *(tuple(t.shape) for t in (aux, ext, nt, a, last))), None)
+                warnings.warn(f"draftport: the draft phase could not be captured as one graph ({exc}); "
+                              "using one graph per drafter step")
+        h, dl = self._drafter_ready(state)
+        if c.is_tree:
+            return self._tree_drafts(h, dl, n, last), []
+        return self._chain_drafts(h, dl, n)
+
+    def _whole_phase_fn(self, aux, ext, nt, a, last):
+        """draft_phase after a cycle as one function of tensors (captured whole): eager extend and steps.
+        nt is where the previous cycle's verify started; this cycle starts a + 1 tokens later."""
+        h, dl = self._extend_fn(aux, ext, nt)
+        row = a.reshape(1)
+        h, dl = h.index_select(0, row)[0], dl.index_select(0, row)[0]
+        n = nt + a + 1
+        if self.cfg.is_tree:
+            return self._tree_drafts(h, dl, n, last, step=self._draft_step_fn)
+        return self._chain_drafts(h, dl, n, step=self._draft_step_fn)[0]
 
     def _chain_cycle(self, last, n, state, clock):
         """Chain: d_1 from the last extend, k-1 single-token steps, verify k+1, accept, extend."""
         c, dev = self.cfg, self.device
         k, greedy = c.depth, c.temperature <= 0
         clock.mark()
-        h, dl = self._drafter_ready(state)
-        d, qs = self._chain_drafts(h, dl, n)
+        d, qs = self.draft_phase(state, n, last)
         clock.mark()
         nt = torch.full((), n, dtype=torch.long, device=dev)
         tokens = torch.cat([last[None], d])
@@ -509,11 +548,12 @@ class SpecEngine:
         clock.mark()
         return emitted, nxt, ("pending", aux, ext, nt, a)
 
-    def _tree_drafts(self, h, dl, n, last):
+    def _tree_drafts(self, h, dl, n, last, step=None):
         """The tree's draft phase after _drafter_ready: D levels of K expanded nodes, then the N nodes
-        verify reads (sampling.tree_select). A method so measure_steps times exactly what a cycle runs."""
+        verify reads (sampling.tree_select). n and step as in _chain_drafts."""
         c, dev = self.cfg, self.device
         K, D, N = c.topk, c.depth, c.num_draft_tokens
+        step = step or self.drafter_step
         levels = [sampling.tree_root_level(torch.log_softmax(dl, -1), self.d2t_ids, K)]
         base = n                                                           # draft rows live at slots n..
         front_h = h[None].expand(K, -1)                                    # [K, H] hidden of each frontier node's parent
@@ -524,8 +564,8 @@ class SpecEngine:
             anc = anc.clone()
             anc.scatter_(1, slots[:, None], True)                          # scatter: index_put syncs on CUDA
             mask = (self._ar[None, :] < n) | anc                          # prefix + own ancestors + self
-            pos = torch.full((K,), n - 1 + d, dtype=torch.long, device=dev)
-            hk, dlk = self.drafter_step(front_h, lv.tokens[lv.frontier], pos, slots, mask)
+            pos = _positions(n - 1 + d, K, dev)
+            hk, dlk = step(front_h, lv.tokens[lv.frontier], pos, slots, mask)
             nxt_lv = sampling.tree_expand(lv, torch.log_softmax(dlk, -1), self.d2t_ids, K)
             parent_rank = nxt_lv.frontier // K                             # which frontier row each child came from
             front_h, anc = hk[parent_rank], anc[parent_rank]
@@ -536,8 +576,7 @@ class SpecEngine:
         """EAGLE-2 tree: expand depth levels of K nodes, select N nodes, verify, accept, compact, extend."""
         c, dev = self.cfg, self.device
         clock.mark()
-        h, dl = self._drafter_ready(state)
-        tree = self._tree_drafts(h, dl, n, last)
+        tree, _ = self.draft_phase(state, n, last)
         clock.mark()
         nt = torch.full((), n, dtype=torch.long, device=dev)
         logits, aux = self.target_pass(tree.tokens, nt, tree.depths, tree.attn_mask)
@@ -563,7 +602,7 @@ class SpecEngine:
 
         seq [L] = prompt + the target's own greedy continuation, aux [L, n·Ht] its aux states and
         target_argmax [L] its argmax, all from one teacher-forced target pass. Each cycle runs the
-        engine's own draft phase (_drafter_ready + _tree_drafts) on those states; a node is accepted
+        engine's own draft phase (draft_phase) on those states; a node is accepted
         when its whole path matches the target's argmax (the true continuation), scored only where
         that argmax is known (index ≤ L − 1, as offline.walk_cycles cuts chains). Then the drafter
         re-reads the accepted positions' states, as after a verify. Returns the accepted drafts per cycle."""
@@ -576,8 +615,7 @@ class SpecEngine:
         n, produced, accepts = P, 1, []
         rows = torch.arange(D + 1, device=dev)
         while produced < budget and n < L:
-            h, dl = self._drafter_ready(state)
-            tree = self._tree_drafts(h, dl, n, seq[n])
+            tree, _ = self.draft_phase(state, n, seq[n])
             idx = n + rows[:-1]                                            # argmax index of each path depth
             want = torch.where(idx <= L - 1, argmax[idx.clamp_max(L - 1)], -1)
             safe = tree.paths.clamp_min(0)
@@ -609,6 +647,14 @@ class SpecEngine:
         h, dl = self.drafter_extend(aux, ext, nt)
         row = a.reshape(1)                                                 # index by tensor: no host sync
         return h.index_select(0, row)[0], dl.index_select(0, row)[0]
+
+
+def _positions(p, count: int, device) -> torch.Tensor:
+    """[count] int64 filled with position p: a Python int, or a 0-dim tensor inside a captured graph
+    (torch.full needs a number, and a host scalar cannot change between replays)."""
+    if isinstance(p, torch.Tensor):
+        return p.reshape(1).expand(count).clone()
+    return torch.full((count,), p, dtype=torch.long, device=device)
 
 
 def _extend_tokens(drafts: torch.Tensor, a: torch.Tensor, nxt: torch.Tensor) -> torch.Tensor:

@@ -269,8 +269,7 @@ def measure_steps(base, spec, position: int, repeats: int) -> dict:
                                                                                                 device=dev))
 
     def draft_phase():
-        h, dl = spec._drafter_ready(pending)
-        return spec._tree_drafts(h, dl, n, last) if c.is_tree else spec._chain_drafts(h, dl, n)
+        return spec.draft_phase(pending, n, last)
 
     out["draft_phase_ms"] = time_call(draft_phase, dev, repeats, inner=STEP_INNER)
     out["draft_ms_per_step"] = out["draft_phase_ms"] / k
