@@ -229,3 +229,29 @@ def test_pickled_weights_only_through_weights_only_load(tmp_path, monkeypatch):
     with pytest.raises(DraftportError, match="objects other than tensors; refused"):
         load_target(str(bad), device="cpu")
     assert not (tmp_path / "PWNED").exists()
+
+
+def test_one_gguf_parse_shares_a_reader_per_file_and_restores_the_class(tmp_path):
+    """transformers builds three readers per GGUF conversion; inside the block they are one object per
+    file (each parse of Gemma's vocabulary costs ~40 s on 2 cores), and the class comes back after."""
+    import gguf
+    import numpy as np
+
+    from draftport.target import _one_gguf_parse
+
+    paths = []
+    for name in ("a.gguf", "b.gguf"):
+        w = gguf.GGUFWriter(str(tmp_path / name), "llama")
+        w.add_uint32("test.value", len(name))
+        w.add_tensor("t", np.arange(4, dtype=np.float32))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        paths.append(str(tmp_path / name))
+    original = gguf.GGUFReader
+    with _one_gguf_parse():
+        r1, r2, other = gguf.GGUFReader(paths[0]), gguf.GGUFReader(paths[0]), gguf.GGUFReader(paths[1])
+        assert r1 is r2 and r1 is not other
+        assert int(other.fields["test.value"].parts[-1][0]) == len("b.gguf")
+    assert gguf.GGUFReader is original and gguf.GGUFReader(paths[0]) is not r1

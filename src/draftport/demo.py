@@ -45,19 +45,20 @@ class DemoConfig:
     data: str = "sharegpt"             # training conversations
     prompts: str = "mt-bench"          # eval prompts
     chat_template: str | None = None   # None: the tokenizer's own, else plain (Gemma-3-270M is a base model)
-    samples: int = 48                  # conversations captured (first turns, before regeneration)
+    samples: int = 32                  # conversations captured (first turns, before regeneration)
     max_question_chars: int = 200      # keep conversations whose first question is at most this long
     max_len: int = 160                 # tokens per captured sample
     regenerate: bool = True            # the target writes the assistant turns first
     regen_new_tokens: int = 64         # tokens per regenerated answer
-    batch_size: int = 8                # capture / regeneration batch
-    steps: int = 150                   # drafter training steps (the CPU budget: each step runs the 262k head)
+    batch_size: int = 16               # capture / regeneration batch
+    steps: int = 80                    # drafter training steps (the CPU budget: each step runs the 262k head)
     train_batch_size: int = 4          # sequences per training step
     ttt_steps: int = 3                 # training-time-test unroll (= the eval chain depth)
     draft_vocab_size: int = 8192       # draft vocab (the 262k Gemma vocab, cut to its most used tokens)
     lr: float | None = 2e-3            # peak learning rate (high: a fresh drafter with few steps to learn in)
-    eval_prompts: int = 4              # MT-bench prompts decoded
-    max_new_tokens: int = 48           # tokens generated per prompt
+    eval_prompts: int = 3              # MT-bench prompts decoded
+    max_new_tokens: int = 40           # tokens generated per prompt
+    timing_repeats: int = 8            # calls per isolated step timing (a CPU verify pass takes ~0.4 s)
     depth: int = 3                     # chain depth of speculative decoding
     dtype: str | None = None           # None: bf16 on cuda, fp32 on cpu
     seed: int = 0
@@ -157,7 +158,7 @@ def stage_eval(cfg: DemoConfig, d: str, drafter: str, store: str) -> dict:
     evaluate.main(make_config(evaluate.EvalConfig, target=cfg.target, drafter=drafter, prompts=cfg.prompts, out=d,
                               max_samples=cfg.eval_prompts, max_new_tokens=cfg.max_new_tokens, depth=cfg.depth, topk=1,
                               device=cfg.device, dtype=cfg.dtype, seed=cfg.seed, chat_template=cfg.chat_template,
-                              store=store, no_hf_baseline=True))
+                              store=store, no_hf_baseline=True, timing_repeats=cfg.timing_repeats))
     return read_summary(d, "eval")
 
 

@@ -318,6 +318,34 @@ def _say(message: str) -> None:
     Console(stderr=True, soft_wrap=True).print(message, highlight=False)
 
 
+@contextmanager
+def _one_gguf_parse():
+    """One gguf.GGUFReader per file for the block. Why: converting one GGUF, transformers builds a reader
+    three times (the config for the tokenizer, the config for the model, the weights), and each walks
+    every metadata field in Python — for Gemma-3's 262k-token vocabulary ~2.4 M of them, ~40 s on a
+    2-core CPU, two thirds of a fresh `draftport demo`'s conversion. The readers are only read from
+    (the tensors are memory-mapped), so sharing one is safe; the class is restored afterwards."""
+    try:
+        import gguf
+    except ImportError:  # transformers raises its own message about the missing package
+        yield
+        return
+    original = gguf.GGUFReader
+    readers: dict = {}
+
+    def shared(path, *args, **kwargs):
+        key = (os.path.abspath(os.fspath(path)), args, tuple(sorted(kwargs.items())))
+        if key not in readers:
+            readers[key] = original(path, *args, **kwargs)
+        return readers[key]
+
+    gguf.GGUFReader = shared
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = original
+
+
 def _load_gguf(gguf_path: str, display_name: str | None = None):
     """Model + tokenizer from a GGUF file (needs the gguf and accelerate packages); fp32 weights."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -326,7 +354,7 @@ def _load_gguf(gguf_path: str, display_name: str | None = None):
     _say(f"draftport: converting {display_name or name} once (dequantising on the CPU takes about a minute); "
          f"later loads read the cache in {cache_root()}")
     try:
-        with _quiet_transformers():
+        with _quiet_transformers(), _one_gguf_parse():
             tokenizer = AutoTokenizer.from_pretrained(d, gguf_file=name)
             check_subword_tokenizer(tokenizer, gguf_path)  # before the minute of dequantisation
             model = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=torch.float32)
