@@ -15,7 +15,8 @@ position, so rejected drafts are simply overwritten next cycle — there is no r
 The target is driven through HF's own forward (any decoder-only model target.py loads): an HF
 `Cache` whose layers write at the slots we choose, position_ids we choose, and a prepared 4D mask
 (or a {layer type: mask} dict for models with sliding layers), which HF's mask builders pass through
-unchanged. On CUDA the verify pass and the draft steps replay from CUDA graphs; on CPU they run eagerly.
+unchanged. On CUDA the verify pass and the draft steps replay from CUDA graphs (greedy cycles after
+the first replay their whole draft phase as one graph); on CPU they run eagerly.
 """
 
 from __future__ import annotations
@@ -500,13 +501,18 @@ class SpecEngine:
         per-step graphs left ~10 small eager ops between drafter steps, which cost more than the steps."""
         c = self.cfg
         if self._whole_phase and state[0] == "pending" and c.temperature <= 0:
-            _, aux, ext, nt, a = state
+            args = (*state[1:], last)                                      # aux, ext, nt, a, last
+            if not self.use_graphs:
+                return self._whole_phase_fn(*args), []
+            key = ("draft_phase", *(tuple(t.shape) for t in args))
+            captured = key in self._graphs and self._graphs[key].graph is not None
             try:
-                out = self._call("draft_phase", self._whole_phase_fn, aux, ext, nt, a, last)
-                return out, []
-            except RuntimeError as exc:  # a capture this build cannot do: keep the per-step graphs
-                self._whole_phase = False
-                self._graphs.pop(("draft_phase", *(tuple(t.shape) for t in (aux, ext, nt, a, last))), None)
+                return self._call("draft_phase", self._whole_phase_fn, *args), []
+            except RuntimeError as exc:
+                if captured:  # a replay error is a real error, not a capture limitation
+                    raise
+                self._whole_phase = False  # a capture this build cannot do: keep the per-step graphs
+                self._graphs.pop(key, None)
                 warnings.warn(f"draftport: the draft phase could not be captured as one graph ({exc}); "
                               "using one graph per drafter step")
         h, dl = self._drafter_ready(state)

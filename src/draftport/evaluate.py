@@ -10,7 +10,8 @@ For each prompt (the first user turn, chat template applied — `plain` for base
                on the capture store;
 and records τ, per-position acceptance, the acceptance histogram, per-cycle draft / verify / overhead
 times, and the tok/s that economics predicts from step times measured in isolation (the cycle's draft
-phase, a verify pass of k+1 tokens or N tree nodes; medians of repeated calls) and the offline τ — which may disagree with the measurement: both are reported with the relative error.
+phase, a verify pass of k+1 tokens or N tree nodes; medians of repeated calls) and the offline τ —
+which may disagree with the measurement: both are reported with the relative error.
 
 Rates are decode rates: tokens after the first / time after the prefill (the prefill costs the same
 with and without speculation, and its length is the prompt's, not the method's). HF generate's rate
@@ -266,8 +267,8 @@ def measure_steps(base, spec, position: int, repeats: int) -> dict:
     # the whole draft phase through the engine's own code (extend, the k steps or D tree levels with
     # their bookkeeping, the tree selection): the sum of the pieces above misses the small tensor ops
     # between them, which a launch-bound cycle pays for (an H200 tree cycle: 3.9 ms vs 2.6 ms summed)
-    pending = ("pending", aux, ext, torch.full((), n, dtype=torch.long, device=dev), torch.zeros((), dtype=torch.long,
-                                                                                                device=dev))
+    zero = torch.zeros((), dtype=torch.long, device=dev)
+    pending = ("pending", aux, ext, zero + n, zero)                   # a verify at n accepted nothing
 
     def draft_phase():
         return spec.draft_phase(pending, n, last)
