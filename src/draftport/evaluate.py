@@ -170,11 +170,12 @@ def time_call(fn, device, repeats: int, warmup: int = 2, inner: int = 1) -> floa
     """Median wall time of fn() in ms: `repeats` samples, each `inner` calls back to back between two
     synchronisations, divided by `inner`. inner = 1 times a call with a host sync around it; inner > 1
     times it the way a decoding cycle issues it (queued behind the previous call, no sync between),
-    which is what a prediction of the cycle needs: a sync per call adds its round trip to every call."""
+    which is what a prediction of the cycle needs: a sync per call adds its round trip to every call.
+    Off CUDA every call is synchronous already, so inner is 1 there (more calls would only cost time)."""
     for _ in range(warmup):
         fn()
     times = []
-    inner = max(1, inner)
+    inner = max(1, inner) if getattr(device, "type", device) == "cuda" else 1
     for _ in range(max(1, repeats)):
         _sync(device)
         t0 = time.perf_counter()
@@ -208,7 +209,6 @@ def measure_steps(base, spec, position: int, repeats: int) -> dict:
     from draftport import sampling
 
     c, dev, S, drafter = spec.cfg, spec.device, spec.S, spec.drafter
-    inner = STEP_INNER if dev.type == "cuda" else 1   # a CPU runs each call synchronously anyway
     K, k = c.topk, c.depth
     rows_verify = c.num_draft_tokens if c.is_tree else k + 1
     n = max(1, min(position, S - max(rows_verify, k + 1, K * k) - 2))
@@ -229,8 +229,8 @@ def measure_steps(base, spec, position: int, repeats: int) -> dict:
         tmask = torch.ones(rows_verify, rows_verify, dtype=torch.bool, device=dev).tril()
         spec.target_pass(tokens, nt, ar[:rows_verify], tmask)
 
-    out["decode_step_ms"] = time_call(decode_step, dev, repeats, inner=inner)
-    out["verify_ms"] = time_call(verify, dev, repeats, inner=inner)
+    out["decode_step_ms"] = time_call(decode_step, dev, repeats, inner=STEP_INNER)
+    out["verify_ms"] = time_call(verify, dev, repeats, inner=STEP_INNER)
     Vd, H = drafter.spec.draft_vocab_size, drafter.spec.hidden_size
     dl = torch.zeros(Vd, device=dev)
     hid = torch.zeros(K, H, dtype=drafter.fc.weight.dtype, device=dev)
@@ -249,7 +249,7 @@ def measure_steps(base, spec, position: int, repeats: int) -> dict:
         nxt = sampling.tree_expand(level, torch.log_softmax(dlk, -1), spec.d2t_ids, K)
         return hk[nxt.frontier // K], nxt
 
-    out["draft_step_ms"] = time_call(tree_step if c.is_tree else chain_step, dev, repeats, inner=inner)
+    out["draft_step_ms"] = time_call(tree_step if c.is_tree else chain_step, dev, repeats, inner=STEP_INNER)
     aux = torch.zeros(k + 1, drafter.spec.num_aux_layers * drafter.spec.target_hidden_size, dtype=spec.dtype,
                       device=dev)
     ext = torch.zeros(k + 1, dtype=torch.long, device=dev)
@@ -259,11 +259,11 @@ def measure_steps(base, spec, position: int, repeats: int) -> dict:
         h, logits = spec.drafter_extend(aux, ext, torch.full((), n, dtype=torch.long, device=dev))
         return h.index_select(0, row)[0], logits.index_select(0, row)[0]
 
-    out["extend_ms"] = time_call(extend, dev, repeats, inner=inner)
+    out["extend_ms"] = time_call(extend, dev, repeats, inner=STEP_INNER)
     if c.is_tree:
         levels = [level] + [tree_step()[1] for _ in range(k - 1)]
         out["tree_select_ms"] = time_call(lambda: sampling.tree_select(levels, last, c.num_draft_tokens), dev, repeats,
-                                         inner=inner)
+                                         inner=STEP_INNER)
     # the whole draft phase through the engine's own code (extend, the k steps or D tree levels with
     # their bookkeeping, the tree selection): the sum of the pieces above misses the small tensor ops
     # between them, which a launch-bound cycle pays for (an H200 tree cycle: 3.9 ms vs 2.6 ms summed)
@@ -273,7 +273,7 @@ def measure_steps(base, spec, position: int, repeats: int) -> dict:
     def draft_phase():
         return spec.draft_phase(pending, n, last)
 
-    out["draft_phase_ms"] = time_call(draft_phase, dev, repeats, inner=inner)
+    out["draft_phase_ms"] = time_call(draft_phase, dev, repeats, inner=STEP_INNER)
     out["draft_ms_per_step"] = out["draft_phase_ms"] / k
     out["verify_over_decode"] = out["verify_ms"] / out["decode_step_ms"] if out["decode_step_ms"] > 0 else None
     return out
