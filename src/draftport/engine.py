@@ -272,7 +272,6 @@ class SpecEngine:
         if use_graphs and self.device.type != "cuda":
             raise DraftportError("CUDA graphs need a CUDA target (use_cuda_graphs=True on a CPU model)")
         self.use_graphs = use_graphs
-        self._pool = torch.cuda.graph_pool_handle() if use_graphs else None
         self._graphs: dict[tuple, _Graphed] = {}
         # eager on the CPU too (same code path as the captured graph, so the CPU tests cover it)
         self._whole_phase = self.cfg.graph_draft_phase
@@ -318,7 +317,13 @@ class SpecEngine:
         key = (name, *(tuple(a.shape) for a in args))
         g = self._graphs.get(key)
         if g is None:
-            g = self._graphs[key] = _Graphed(fn, self.use_graphs, self._pool, variants)
+            # Each graph gets its own memory pool. With one shared pool a graph captured later may place
+            # its outputs where an earlier graph keeps scratch, and that graph's next replay overwrites
+            # them: the whole-draft-phase graph (captured in cycle 2) returns the tree that the cycle
+            # reads AFTER the verify graph (captured in cycle 1) has replayed — on the H200 its paths came
+            # back as garbage indices (device-side assert). Private pools cost only the graphs' scratch.
+            pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+            g = self._graphs[key] = _Graphed(fn, self.use_graphs, pool, variants)
         return g(*args)
 
     def sdpa_choices(self) -> dict[str, str]:
