@@ -11,9 +11,10 @@ Usage: python benchmarks/bench_train.py [--T 2048] [--steps 8] [--shape 8b|gemma
                                        [--attention flex|eager] [--max-T] [--no-compile]
 --max-T doubles T from --T (one step each) until a step runs out of memory and reports the largest
 that trained. Prints one line `RESULT {json}` per measurement.
-Each timed step ends with the trainer's NaN/Inf guard (one host read of the gradient norm) and a sync:
-step_ms_median. The same steps are then run queued back to back, without that read
-(queued_step_ms_mean): the difference is what the guard's per-step read costs.
+Each timed step (step_ms_median) ends with a sync, as the anchor's do; the trainer's NaN/Inf guard is
+decided on the device (train.guarded_update). The same steps are then run queued back to back, as the
+trainer runs them between two metrics lines: queued_step_ms_mean (device guard) and
+queued_host_guard_step_ms_mean (one host read of the gradient norm a step, the trainer before).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch
 
 from draftport.drafter import Eagle3Drafter
 from draftport.losses import position_valid, shift_left
-from draftport.train import TTTModel
+from draftport.train import TTTModel, guarded_update
 
 SHAPES = {
     "8b": dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
@@ -92,14 +93,14 @@ def run(args, T: int, steps: int) -> dict:
     attention = args.attention or ("flex" if dev.type == "cuda" else "eager")
     model = TTTModel(drafter, args.ttt, args.loss_chunk, attention, compile=args.compile)
     params = [p for p in drafter.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-4, fused=dev.type == "cuda")
+    opt = torch.optim.AdamW(params, lr=1e-4, fused=True)  # as the trainer on one process (its device guard)
     k = args.ttt
     ids = torch.randint(0, V, (1, T), device=dev, generator=g)
     mask = torch.ones(1, T, dtype=torch.bool, device=dev)
     aux = torch.randn(1, T, 3 * H, device=dev, dtype=dt, generator=g)
     target_full = torch.randn(1, T, V, device=dev, dtype=dt, generator=g) * 3
 
-    def step(guard: bool = True) -> float:
+    def step(host_guard: bool = False) -> float:
         # the target side of the step, as SpecForge's: draft-column logits and the full-vocab argmax
         argmax = target_full.argmax(-1)
         tl = torch.nn.functional.pad(target_full.index_select(-1, used), (0, 0, 0, k))
@@ -109,9 +110,8 @@ def run(args, T: int, steps: int) -> dict:
             loss, _, _, _ = model(aux, ids, mask, tl, argmax, counts)
         loss.backward()
         gnorm = torch.nn.utils.clip_grad_norm_(params, 0.5)
-        # guard: the trainer's NaN/Inf guard, one host read of the gradient norm before the update
-        if not guard or bool(torch.isfinite(gnorm)):
-            opt.step()
+        # the trainer's NaN/Inf guard: decided on the device (fused AdamW), or by one host read
+        guarded_update(opt, gnorm, on_device=not host_guard)
         opt.zero_grad(set_to_none=True)
         return loss
 
@@ -127,17 +127,17 @@ def run(args, T: int, steps: int) -> dict:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
         print(f"step {i} {times[-1] * 1e3:.1f} ms loss {float(loss):.3f}", flush=True)
-    # the same steps queued back to back without the guard's host read (one sync at the end): what the
-    # guard costs is the difference to the synced median
-    queued_ms = None
-    if steps > 3:
+    # the same steps queued back to back as the trainer runs them between two metrics lines (one sync at
+    # the end), with the device guard and with the host guard (one read a step)
+    queued = {}
+    for mode in ("device", "host") if steps > 3 else ():
         if dev.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
         for _ in range(steps):
-            loss = step(guard=False)
+            loss = step(host_guard=mode == "host")
         float(loss)
-        queued_ms = (time.perf_counter() - t0) / steps * 1e3
+        queued[mode] = round((time.perf_counter() - t0) / steps * 1e3, 1)
     if args.profile and steps > 2:
         profile_steps(step, dev, args.profile, f"{args.shape} T={T} attention={attention} "
                       f"checkpointing={args.checkpointing} compile={args.compile}")
@@ -148,7 +148,8 @@ def run(args, T: int, steps: int) -> dict:
     res = {"tool": "draftport TTTModel", "shape": args.shape, "T": T, "ttt": k, "checkpointing": args.checkpointing,
            "attention": attention, "compile": args.compile,
            "step_ms_median": round(steady * 1e3, 1), "tok_s": round(tok_s),
-           "queued_step_ms_mean": queued_ms and round(queued_ms, 1), "model_GFLOP_per_tok": round(flops_tok / 1e9, 2),
+           "queued_step_ms_mean": queued.get("device"), "queued_host_guard_step_ms_mean": queued.get("host"),
+           "queued_tok_s": queued and round(T / queued["device"] * 1e3), "model_GFLOP_per_tok": round(flops_tok / 1e9, 2),
            "MFU_vs_790TFLOPs": round(tok_s * flops_tok / 790e12, 3),
            "peak_mem_GB": round(torch.cuda.max_memory_allocated() / 1e9, 1) if dev.type == "cuda" else None,
            "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"}
@@ -157,11 +158,12 @@ def run(args, T: int, steps: int) -> dict:
 
 
 def profile_steps(step, dev: torch.device, path: str, title: str) -> None:
-    """Where a step's time goes: the top ops by self device time over 2 steps (CPU time on CPU)."""
+    """Where a step's time goes: the top ops by self device time over 2 steps (CPU time on CPU), then
+    the host side by CPU time, and the ops by input shapes (which tensor each copy / add / mul moves)."""
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
-    with profile(activities=acts) as prof:
+    with profile(activities=acts, record_shapes=True) as prof:
         for _ in range(2):
             step()
         if dev.type == "cuda":
@@ -170,6 +172,12 @@ def profile_steps(step, dev: torch.device, path: str, title: str) -> None:
     with open(path, "a") as f:
         f.write(f"## {title}, 2 steps\n")
         f.write(prof.key_averages().table(sort_by=key, row_limit=40, max_name_column_width=70) + "\n\n")
+        if dev.type == "cuda":  # the host side: which calls keep the CPU busy while the GPU waits
+            f.write("## by host time (CPU total)\n")
+            f.write(prof.key_averages().table(sort_by="cpu_time_total", row_limit=30, max_name_column_width=70) + "\n\n")
+        f.write("## by input shapes\n")
+        f.write(prof.key_averages(group_by_input_shape=True).table(sort_by=key, row_limit=60, max_name_column_width=40,
+                                                                   max_shapes_column_width=90) + "\n\n")
 
 
 if __name__ == "__main__":

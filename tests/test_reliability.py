@@ -611,13 +611,16 @@ def poison_steps(monkeypatch, bad: dict[int, float]):
     monkeypatch.setattr(TTTModel, "forward", poisoned)
 
 
-def test_nonfinite_loss_skips_the_step_and_reports_it(train_store, tmp_path, monkeypatch):
+@pytest.mark.parametrize("device_guard", [False, True])
+def test_nonfinite_loss_skips_the_step_and_reports_it(train_store, tmp_path, monkeypatch, device_guard):
+    """Host guard (one read a step) and device guard (fused AdamW's found_inf: the kernel skips)."""
     from draftport.train import TrainConfig, run_train
 
     poison_steps(monkeypatch, {3: float("nan"), 5: float("inf")})
     out, buf = tmp_path / "run", io.StringIO()
     s = run_train(TrainConfig(target="tiny-gemma3", data=train_store, out=str(out), steps=6, batch_size=4, ttt_steps=3,
-                              lr=0.005, device="cpu", save_every=1, keep_last=0), console=Console(file=buf, width=300))
+                              lr=0.005, device="cpu", save_every=1, keep_last=0, device_guard=device_guard),
+                  console=Console(file=buf, width=300))
     sd = {i: state(out / ck.CHECKPOINTS / f"step-{i:08d}") for i in range(1, 7)}
     for skipped in (3, 5):  # weights and Adam moments (and its step count) exactly as before the step
         assert same_tensors(sd[skipped], sd[skipped - 1], ("model.", "optim."))
@@ -630,6 +633,33 @@ def test_nonfinite_loss_skips_the_step_and_reports_it(train_store, tmp_path, mon
     recs = [json.loads(x, parse_constant=strict) for x in open(out / "metrics.jsonl")]
     assert [r["step"] for r in recs if r.get("skipped")] == [3, 5]
     assert s["skipped_steps"] == 2 and np.isfinite(s["final_loss"])
+
+
+def test_device_guard_reads_the_skips_at_log_steps_only(train_store, tmp_path, monkeypatch):
+    """The device guard defers the host read to the metrics / checkpoint steps: skipped steps between
+    them are still reported in step order, counted, and a run of them stops the run before a save."""
+    from draftport.train import TrainConfig, run_train
+
+    cfg = dict(target="tiny-gemma3", data=train_store, steps=6, batch_size=4, ttt_steps=3, lr=0.005, device="cpu",
+               log_every=3, save_every=3, val_every=0, keep_last=0, device_guard=True)
+    poison_steps(monkeypatch, {1: float("nan"), 2: float("inf")})
+    out, buf = tmp_path / "run", io.StringIO()
+    s = run_train(TrainConfig(out=str(out), **cfg), console=Console(file=buf, width=300))
+    recs = [json.loads(x) for x in open(out / "metrics.jsonl")]
+    assert [r["step"] for r in recs if r.get("skipped")] == [1, 2] and s["skipped_steps"] == 2
+    assert [r["step"] for r in recs] == sorted(r["step"] for r in recs)
+    assert "step 1: loss nan" in " ".join(buf.getvalue().split())
+    steps = [v for k, v in state(out / ck.CHECKPOINTS / "step-00000003").items() if k.startswith("optim.") and
+             k.endswith(".step")]
+    assert steps and all(float(v) == 1.0 for v in steps)  # steps 1 and 2 never reached Adam: one update in 3
+    monkeypatch.undo()
+    poison_steps(monkeypatch, {4: float("nan"), 5: float("nan")})
+    out2 = tmp_path / "run2"
+    from draftport.errors import DraftportError
+
+    with pytest.raises(DraftportError, match=r"2 steps in a row \(up to step 5\)"):
+        run_train(TrainConfig(out=str(out2), max_nonfinite_steps=2, **cfg), console=Console(file=io.StringIO()))
+    assert ck.latest_checkpoint(out2).name == "step-00000003"  # no save after the bad run
 
 
 def test_repeated_nonfinite_losses_stop_with_the_last_checkpoint_intact_and_resumable(train_store, tmp_path,
