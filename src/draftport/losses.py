@@ -174,14 +174,24 @@ def _row_block(x: torch.Tensor, start: int, stop: int) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-def _scaled(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, rows: int) -> torch.Tensor:
+def _scaled(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, rows: int, compiled: bool = False) -> torch.Tensor:
     """x · scale computed in fp32 and returned in `dtype`, `rows` rows at a time (bounded fp32 temporaries).
     Multiplying a bf16 tensor by the scale directly would round the scale itself to bf16: a bias of up
-    to 0.4 % shared by every element."""
+    to 0.4 % shared by every element. compiled: one fused pass (_scale_to), no fp32 temporaries — the
+    eager cast, multiply and copy of lm_head's [32000, 4096] ∂W took 6.7 ms of an 8B TTT step (H200)."""
+    if compiled:
+        from draftport.fusion import compiled as compile_fn
+
+        return compile_fn(_scale_to, dynamic=None)(x, scale, dtype)
     out = torch.empty(x.shape, dtype=dtype, device=x.device)
     for start in range(0, x.shape[0], rows):
         out[start:start + rows] = x[start:start + rows].float() * scale
     return out
+
+
+def _scale_to(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """_scaled's math as one pure function for torch.compile: the same fp32 product, rounded once."""
+    return (x.float() * scale).to(dtype)
 
 
 def _soft_ce_rows(logits: torch.Tensor, target_logits: torch.Tensor, valid: torch.Tensor, with_grad: bool):
@@ -290,6 +300,7 @@ class _LinearSoftCE(torch.autograd.Function):
         ctx.mark_non_differentiable(draft_ids)
         ctx.save_for_backward(grad_h, grad_w, denom)  # _scaled casts ∂W to W's dtype in the backward
         ctx.shape, ctx.hidden_dtype, ctx.weight_dtype, ctx.rows = hidden.shape, hidden.dtype, weight.dtype, rows
+        ctx.compiled = compiled
         return total / denom, draft_ids.view(B, T)
 
     @staticmethod
@@ -297,8 +308,8 @@ class _LinearSoftCE(torch.autograd.Function):
     def backward(ctx, grad_loss, grad_ids):
         grad_h, grad_w, denom = ctx.saved_tensors
         scale = grad_loss.float() / denom
-        dh = None if grad_h is None else _scaled(grad_h, scale, ctx.hidden_dtype, ctx.rows).view(ctx.shape)
-        dw = None if grad_w is None else _scaled(grad_w, scale, ctx.weight_dtype, ctx.rows)
+        dh = None if grad_h is None else _scaled(grad_h, scale, ctx.hidden_dtype, ctx.rows, ctx.compiled).view(ctx.shape)
+        dw = None if grad_w is None else _scaled(grad_w, scale, ctx.weight_dtype, ctx.rows, ctx.compiled)
         return dh, dw, None, None, None, None, None, None, None, None
 
 
