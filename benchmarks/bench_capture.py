@@ -9,7 +9,9 @@ sha256 + manifest commits) against the bare target forward pass on the same batc
 Samples are random token ids (lengths uniform in [seq_len/2, seq_len] with --vary-lengths, else all
 seq_len, the anchor's prefill setting). The bare pass is `HFTarget.forward` (aux taps, no logits),
 so the ratio isolates what capture adds; the HF CausalLM forward with logits is reported too, as
-the figure mission.md's anchors quote. Warm-up batches are excluded. Prints one JSON line.
+the figure mission.md's anchors quote. Warm-up batches are excluded. On CUDA it also reports the peak
+GPU memory above the weights for the bare pass and for capture, in all and per token of a batch
+(issue 8's memory per token of sequence). Prints one JSON line.
 """
 
 from __future__ import annotations
@@ -171,10 +173,22 @@ def main(argv=None) -> int:
         target.forward(*padded(batches[0], args.device))
         target.model(*padded(batches[0], args.device), use_cache=False)
     sync(args.device)
+    peaks: dict = {}
+
+    def peak_of(name: str, fn):
+        """fn() with the GPU's peak allocation above the resident weights recorded under `name`."""
+        if not cuda:
+            return fn()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        res = fn()
+        peaks[name] = torch.cuda.max_memory_allocated() - base
+        return res
+
     try:
-        t_bare = min(bare(False) for _ in range(args.repeats))
+        t_bare = min(peak_of("bare", lambda: bare(False)) for _ in range(args.repeats))
         t_hf = min(bare(True) for _ in range(args.repeats))
-        runs = [capture() for _ in range(args.repeats)]
+        runs = [peak_of("capture", capture) for _ in range(args.repeats)]
         t_cap, disk = min(runs)
         check = check_store(out, target, ids)
     finally:
@@ -189,6 +203,11 @@ def main(argv=None) -> int:
         "capture_tok_s": round(tokens / t_cap, 1), "capture_vs_bare": round(t_bare / t_cap, 3),
         "capture_vs_hf_with_logits": round(t_hf / t_cap, 3), "bytes_per_token": bpt,
         "bytes_per_token_on_disk": round(disk / tokens, 2), "bytes_on_disk": disk, "shards": len(plan),
+        # GPU memory above the weights at peak, per token of a batch (batch_size × the longest sequence)
+        "weights_GB": round(torch.cuda.memory_allocated() / 1e9, 2) if cuda else None,
+        **{f"{k}_peak_extra_GB": round(v / 1e9, 2) for k, v in peaks.items()},
+        **{f"{k}_peak_extra_KB_per_batch_token": round(v / (args.batch_size * max(lengths)) / 1e3, 1)
+           for k, v in peaks.items()},
         **check, "load_s": round(load_s, 1), "python": sys.version.split()[0], "torch": torch.__version__,
         "store_dir_fs": os.path.dirname(out) or ".",
     }
