@@ -640,6 +640,10 @@ def test_device_guard_reads_the_skips_at_log_steps_only(train_store, tmp_path, m
     them are still reported in step order, counted, and a run of them stops the run before a save."""
     from draftport.train import TrainConfig, run_train
 
+    for flag, want in (("--device-guard", True), ("--no-device-guard", False), (None, None)):
+        argv = ["train", "--target", "tiny-gemma3", "--data", str(train_store)] + ([flag] if flag else [])
+        assert cli.config_from_args(TrainConfig, cli.build_parser().parse_args(argv)).device_guard is want
+
     cfg = dict(target="tiny-gemma3", data=train_store, steps=6, batch_size=4, ttt_steps=3, lr=0.005, device="cpu",
                log_every=3, save_every=3, val_every=0, keep_last=0, device_guard=True)
     poison_steps(monkeypatch, {1: float("nan"), 2: float("inf")})

@@ -148,6 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="NaN/Inf loss steps are skipped; this many in a row stop the run (exit 2)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile the step's norms, RoPE, act·up, flex merge and loss math (default: on CUDA)")
+    p.add_argument("--device-guard", action=argparse.BooleanOptionalAction, default=None,
+                   help="decide the NaN/Inf skip on the GPU (fused AdamW) and read it at logging steps, not every "
+                        "step (default: on for one CUDA process)")
 
     p = sub.add_parser("eval", help="online τ and tok/s vs no speculation")
     _add_common(p, target=True, out=True, samples=True, device=True, seed=True, template=True, gen=True)
