@@ -120,6 +120,19 @@ def gated_act(act: Callable, gate: Tensor, up: Tensor) -> Tensor:
     return act(gate) * up
 
 
+def rope_qk(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    """apply_rope on queries and keys (one compiled region in training instead of two)."""
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+
+def first_layer_input(embeds: Tensor, hidden: Tensor, w_embed: Tensor, w_hidden: Tensor,
+                      eps: float) -> tuple[Tensor, Tensor]:
+    """Layer 0's input: cat(input_layernorm(embeds), hidden_norm(hidden)) and the normed hidden, as one
+    function so that training compiles it as one region."""
+    normed = rms_norm(hidden, w_hidden, eps)
+    return torch.cat([rms_norm(embeds, w_embed, eps), normed], dim=-1), normed
+
+
 # ---------------------------------------------------------------------------------------------
 # compiled elementwise blocks (training)
 
@@ -127,7 +140,10 @@ def gated_act(act: Callable, gate: Tensor, up: Tensor) -> Tensor:
 # kernels, each a full memory pass in fp32 (the step's elementwise work was ~35 % of its time). Inside
 # `compiled_elementwise()` the modules call torch.compile'd versions of the pure functions above, one
 # fused kernel each, with autograd through them. Outside it (decoding, export, tests) nothing changes.
-ELEMENTWISE = (rms_norm, apply_rope, gated_act)
+# Each compiled region also costs host time on every call (guards, its autograd node: ~0.5 ms forward
+# + backward on the H200's host, 62 regions a step, the step host-bound), so neighbours share one:
+# both RoPEs (rope_qk), layer 0's two input norms and their cat (first_layer_input).
+ELEMENTWISE = (rms_norm, gated_act, rope_qk, first_layer_input)
 _ACTIVE: dict = {}  # pure function -> its stand-in while a compiled_elementwise() block runs
 
 
@@ -228,8 +244,7 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        rope = _kernel(apply_rope)
-        q, k = rope(q, cos, sin), rope(k, cos, sin)
+        q, k = _kernel(rope_qk)(q, k, cos, sin)
         out = attend(q, k, v)                                          # [B, Hq, T, D]
         return self.o_proj(out.transpose(1, 2).reshape(B, T, self.num_heads * self.head_dim))
 
@@ -269,10 +284,15 @@ class DecoderLayer(nn.Module):
     def forward(self, hidden: Tensor, embeds: Tensor, cos: Tensor, sin: Tensor, attend: Callable) -> Tensor:
         residual = hidden
         if self.first:
-            normed = self.hidden_norm(hidden)
+            merged = _ACTIVE.get(first_layer_input)  # training, compiled: one region (decoding keeps the
+            if merged is not None:                   # modules, whose norms the engine fuses itself)
+                x, normed = merged(embeds, hidden, self.input_layernorm.weight, self.hidden_norm.weight,
+                                   self.hidden_norm.eps)
+            else:
+                normed = self.hidden_norm(hidden)
+                x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)  # embedding FIRST
             if self.norm_before_residual:                               # speculators flag
                 residual = normed
-            x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)  # embedding FIRST
         else:
             x = self.input_layernorm(hidden)
         h = residual + self.self_attn(x, cos, sin, attend)
