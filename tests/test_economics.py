@@ -57,6 +57,18 @@ def test_finite_depth_reachable_matches_brentq():
         assert eco.accept_len_from_alpha(a, depth) == pytest.approx(tau, rel=1e-12)
 
 
+def test_chain_depth_table():
+    """A chain cut at d accepts min(a, d): τ_d adds the per-position acceptances up to d; the verify of
+    d + 1 tokens lies on the line between the 1-token step and the measured k + 1; d drafter steps."""
+    rows = eco.chain_depth_table([0.5, 0.25, 0.1], decode_ms=2.0, verify_ms=2.3, draft_ms=0.2, overhead_ms=0.1)
+    assert [r["depth"] for r in rows] == [1, 2, 3]
+    assert [r["accept_len"] for r in rows] == pytest.approx([1.5, 1.75, 1.85])
+    assert [r["cycle_ms"] for r in rows] == pytest.approx([2.1 + 0.2 + 0.1, 2.2 + 0.4 + 0.1, 2.3 + 0.6 + 0.1])
+    assert rows[-1]["tok_s"] == pytest.approx(eco.tok_per_s(1.85, eco.cycle_time_ms(2.3, 0.2, 3, 0.1)))
+    assert max(rows, key=lambda r: r["tok_s"])["depth"] == 2   # 625 vs 648 vs 617 tok/s: the third draft costs more than it brings
+    assert eco.chain_depth_table([], 2.0, 2.3, 0.2) == []
+
+
 def test_closed_form_edges():
     assert eco.accept_len_from_alpha(0.0, 3) == 1.0
     assert eco.accept_len_from_alpha(1.0, 3) == 4.0

@@ -73,6 +73,14 @@ def test_eval_is_lossless_and_its_figures_agree(tiny, tmp_path, topk, depth, nod
     assert s["speedup"] == pytest.approx(s["tok_s"] / s["baseline_tok_s"])
     assert s["cycle_ms"] == pytest.approx(s["draft_ms"] + s["verify_ms"] + s["overhead_ms"])
     assert s["predicted_rel_err"] == pytest.approx((s["predicted_tok_s"] - s["tok_s"]) / s["tok_s"])
+    if topk > 1:  # the depth table is the chain's (a tree's nodes are not a prefix of a deeper tree)
+        assert s["predicted_by_depth"] is None and s["best_depth"] is None
+    else:         # cut at its own depth the table is the prediction above; the best is its maximum
+        table = s["predicted_by_depth"]
+        assert [r["depth"] for r in table] == list(range(1, k + 1))
+        assert table[-1]["tok_s"] == pytest.approx(s["predicted_tok_s"])
+        assert table[-1]["accept_len"] == pytest.approx(s["offline_accept_len"])
+        assert s["best_depth"] == max(table, key=lambda r: r["tok_s"])["depth"]
     assert s["hf_generate_tok_s"] is None                                   # skipped on request
     # the files: summary.json is the returned summary, one metrics line a prompt, a PNG, checksums
     assert json.loads((tmp_path / "summary.json").read_text()) == json.loads(json.dumps(s))

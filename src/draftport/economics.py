@@ -105,6 +105,25 @@ def alpha_for_accept_len(tau: float, depth: int | None = None) -> float | None:
     return hi
 
 
+def chain_depth_table(per_position: list[float], decode_ms: float, verify_ms: float, draft_ms: float,
+                      overhead_ms: float = 0.0) -> list[dict]:
+    """Predicted tok/s of a chain cut at each depth d = 1..k, from one chain's measured figures.
+
+    per_position[j-1] = the share of cycles that accepted draft j (so a chain cut at d accepts min(a, d)
+    and τ_d = 1 + Σ_{j≤d} per_position[j-1], exactly); verify of d + 1 tokens interpolated linearly
+    between the 1-token decode step and the measured (k + 1)-token verify (flat on a launch-bound
+    target, linear where compute-bound); d drafter steps of draft_ms each. Depths beyond k are not
+    predicted: nothing was measured there."""
+    k = len(per_position)
+    rows, tau = [], 1.0
+    for d in range(1, k + 1):
+        tau += per_position[d - 1]
+        verify_d = decode_ms + (verify_ms - decode_ms) * d / k
+        cycle = cycle_time_ms(verify_d, draft_ms, d, overhead_ms)
+        rows.append({"depth": d, "accept_len": tau, "cycle_ms": cycle, "tok_s": tok_per_s(tau, cycle)})
+    return rows
+
+
 def min_depth_for(tau: float) -> int:
     """The shortest chain that can reach τ at all (k + 1 ≥ τ, i.e. with every draft accepted)."""
     return max(0, math.ceil(tau - 1.0))

@@ -442,11 +442,19 @@ def run_eval(cfg: EvalConfig, *, target=None, drafter=None, console=None) -> dic
     over_pred = overhead_ms or 0.0
     pred = predicted_tok_s(off["accept_len"], steps["verify_ms"], steps["draft_ms_per_step"], k, over_pred)
     pred_online = predicted_tok_s(online["accept_len"], steps["verify_ms"], steps["draft_ms_per_step"], k, over_pred)
+    depths = None
+    if not ecfg.is_tree and off["per_position"]:  # would a shorter chain pay more? (offline τ, isolated steps)
+        from draftport import economics
+
+        depths = economics.chain_depth_table(off["per_position"], steps["decode_step_ms"], steps["verify_ms"],
+                                             steps["draft_ms_per_step"], over_pred)
     summary = {
         "accept_len": online["accept_len"], "tok_s": tok_s, "baseline_tok_s": baseline,
         "speedup": tok_s / baseline if tok_s and baseline else None,
         "predicted_tok_s": pred, "predicted_rel_err": rel_err(pred, tok_s),
         "predicted_tok_s_at_online_tau": pred_online, "predicted_at_online_tau_rel_err": rel_err(pred_online, tok_s),
+        "predicted_by_depth": depths,
+        "best_depth": max(depths, key=lambda r: r["tok_s"])["depth"] if depths else None,
         "hf_generate_tok_s": (sum(hf_rates) / len(hf_rates)) if hf_rates else None,
         "per_position_accept": online["per_position"], "accept_hist": online["accept_hist"],
         "cycles": online["cycles"],
@@ -519,6 +527,9 @@ def render_eval(summary: dict, console) -> None:
         ("tok/s HF generate", _fmt(summary["hf_generate_tok_s"], "{:.1f}")),
         ("tok/s predicted (offline τ, isolated steps)", _fmt(summary["predicted_tok_s"], "{:.1f}")),
         ("  relative error", _fmt(summary["predicted_rel_err"], "{:+.1%}")),
+        *([("tok/s predicted by chain depth (best: " + str(summary["best_depth"]) + ")",
+            "  ".join(f"{r['depth']}: {r['tok_s']:.1f}" for r in summary["predicted_by_depth"]))]
+          if summary.get("predicted_by_depth") else []),
         ("cycle: draft / verify / overhead ms", f"{_fmt(summary['draft_ms'])} / {_fmt(summary['verify_ms'])} / "
                                                 f"{_fmt(summary['overhead_ms'])}"),
         ("isolated: decode step / verify / draft step / extend ms",
