@@ -9,6 +9,7 @@ Model FLOPs per token as the anchor counts them: 6 × (7 × (decoder layer + lm_
 
 Usage: python benchmarks/bench_train.py [--T 2048] [--steps 8] [--shape 8b|gemma|tiny] [--checkpointing]
                                        [--attention flex|eager] [--max-T] [--no-compile]
+                                       [--regions layer|elementwise]
 --max-T doubles T from --T (one step each) until a step runs out of memory and reports the largest
 that trained. Prints one line `RESULT {json}` per measurement.
 Each timed step (step_ms_median) ends with a sync, as the anchor's do; the trainer's NaN/Inf guard is
@@ -53,6 +54,9 @@ def main() -> None:
     ap.add_argument("--max-T", action="store_true", help="find the longest trainable T (doubling)")
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                     help="TTTModel(compile=...): compiled elementwise work (--no-compile: eager, as before)")
+    ap.add_argument("--regions", default="layer", choices=["layer", "elementwise"],
+                    help="with --compile: each decoder layer as two compiled regions (the trainer on one process), "
+                         "or the modules with their norms / RoPE / act·up compiled one by one (as before; FSDP)")
     ap.add_argument("--profile", default=None, help="write a torch-profiler kernel table of 2 steps (after the "
                     "timed ones) to this file")
     args = ap.parse_args()
@@ -91,7 +95,7 @@ def run(args, T: int, steps: int) -> dict:
 
         enable_activation_checkpointing(drafter)
     attention = args.attention or ("flex" if dev.type == "cuda" else "eager")
-    model = TTTModel(drafter, args.ttt, args.loss_chunk, attention, compile=args.compile)
+    model = TTTModel(drafter, args.ttt, args.loss_chunk, attention, compile=args.compile, regions=args.regions)
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4, fused=True)  # as the trainer on one process (its device guard)
     k = args.ttt
@@ -140,13 +144,13 @@ def run(args, T: int, steps: int) -> dict:
         queued[mode] = round((time.perf_counter() - t0) / steps * 1e3, 1)
     if args.profile and steps > 2:
         profile_steps(step, dev, args.profile, f"{args.shape} T={T} attention={attention} "
-                      f"checkpointing={args.checkpointing} compile={args.compile}")
+                      f"checkpointing={args.checkpointing} compile={args.compile} regions={args.regions}")
     steady = sorted(times[3:])[len(times[3:]) // 2] if len(times) > 3 else min(times)
     mid = sum(p.numel() for n, p in drafter.named_parameters() if n.startswith("midlayer"))
     flops_tok = 6 * (k * (mid + drafter.lm_head.weight.numel()) + drafter.fc.weight.numel())
     tok_s = T / steady
     res = {"tool": "draftport TTTModel", "shape": args.shape, "T": T, "ttt": k, "checkpointing": args.checkpointing,
-           "attention": attention, "compile": args.compile,
+           "attention": attention, "compile": args.compile, "regions": args.compile and args.regions,
            "step_ms_median": round(steady * 1e3, 1), "tok_s": round(tok_s),
            "queued_step_ms_mean": queued.get("device"), "queued_host_guard_step_ms_mean": queued.get("host"),
            "queued_tok_s": queued and round(T / queued["device"] * 1e3), "model_GFLOP_per_tok": round(flops_tok / 1e9, 2),

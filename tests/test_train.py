@@ -463,8 +463,9 @@ def test_compiled_flex_merge_equals_ttt_attention():
 
 
 def test_compiled_ttt_step_equals_eager():
-    """TTTModel(compile=True) — compiled norms, RoPE, act·up and loss math, here also with the MLP
-    recomputed in backward (activation checkpointing replays the compiled forward) — gives the eager
+    """TTTModel(compile=True) — each layer as two compiled regions around the attention (weights passed
+    in, cast once), or the modules with compiled norms, RoPE and act·up; the loss math compiled; with
+    and without activation checkpointing (the recompute replays the compiled forward) — gives the eager
     model's loss, stats, hits and parameter gradients, and leaves the state_dict's keys as they were."""
     import torch.nn.functional as F
     from torch._dynamo.utils import counters
@@ -477,19 +478,20 @@ def test_compiled_ttt_step_equals_eager():
     used = torch.nonzero(d.t2d).reshape(-1)
     inputs = (aux, ids0, mask0, F.pad(target[..., used], (0, 0, 0, k)), target.argmax(-1), torch.tensor([20, 18, 16]))
     params = [p for p in d.parameters() if p.requires_grad]
-    runs = []
-    for compile in (False, True):
-        if compile:
+    (loss, stats, hits, _) = TTTModel(d, k, 5)(*inputs, with_hits=True)
+    grads = torch.autograd.grad(loss, params)
+    # each layer as two regions (the default), with and without checkpointing; the modules' norms etc.
+    frames = counters["frames"]["ok"]
+    for regions, checkpointing in (("layer", False), ("layer", True), ("elementwise", True)):
+        if checkpointing:
             enable_activation_checkpointing(d)
-            frames = counters["frames"]["ok"]
-        loss, stats, hits, _ = TTTModel(d, k, 5, compile=compile)(*inputs, with_hits=True)
-        runs.append((loss, stats, hits, torch.autograd.grad(loss, params)))
-    (loss, stats, hits, grads), (c_loss, c_stats, c_hits, c_grads) = runs
-    assert counters["frames"]["ok"] > frames and not compile_failures(), "the compiled path did not run"
-    assert c_loss.item() == pytest.approx(loss.item(), rel=1e-6) and loss.item() > 1.0
-    torch.testing.assert_close(c_stats, stats, rtol=1e-6, atol=1e-6)
-    assert all(torch.equal(a, b) for a, b in zip(c_hits, hits))
-    for a, b in zip(c_grads, grads):
-        assert b.abs().max() > 0
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6 * b.abs().max().item())
+        c_loss, c_stats, c_hits, _ = TTTModel(d, k, 5, compile=True, regions=regions)(*inputs, with_hits=True)
+        c_grads = torch.autograd.grad(c_loss, params)
+        assert counters["frames"]["ok"] > frames and not compile_failures(), "the compiled path did not run"
+        assert c_loss.item() == pytest.approx(loss.item(), rel=1e-6) and loss.item() > 1.0
+        torch.testing.assert_close(c_stats, stats, rtol=1e-6, atol=1e-6)
+        assert all(torch.equal(a, b) for a, b in zip(c_hits, hits))
+        for a, b in zip(c_grads, grads):
+            assert b.abs().max() > 0
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6 * b.abs().max().item())
     assert list(d.state_dict()) == keys

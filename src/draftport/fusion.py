@@ -77,6 +77,8 @@ class _FallBack:
             try:
                 return self.fast(*args)
             except Exception as exc:  # compiler / Triton errors have no common base class
+                if type(exc).__name__ == "_StopRecomputationError":
+                    raise  # activation checkpointing's own signal: the recompute has what it needs
                 self.failed = f"{type(exc).__name__}: {exc}"[:300]
                 warnings.warn(f"draftport: compiled {self.__name__} failed, running it eagerly: {self.failed}")
         return self.fn(*args)

@@ -117,6 +117,33 @@ def _flex_fn():
     return _FLEX["fn"]
 
 
+def causal_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, flex: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention of q over one step's keys and its log-sum-exp: (out [B, Hq, T, D], lse [B, Hq, T]).
+    flex: the fused flex-attention kernel (CUDA); else plain scores (the CPU: tests, small runs)."""
+    B, Hq, T, D = q.shape
+    Hkv = k.shape[1]
+    if flex:
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        mask = _FLEX.get((T, q.device))
+        if mask is None:
+            mask = _FLEX[(T, q.device)] = create_block_mask(lambda b, h, qi, ki: ki <= qi, None, None, T, T,
+                                                           device=q.device)
+        fn = _flex_fn()
+        try:
+            from torch.nn.attention.flex_attention import AuxRequest
+            out, aux = fn(q, k, v, block_mask=mask, enable_gqa=Hq != Hkv, return_aux=AuxRequest(lse=True))
+            return out, aux.lse
+        except ImportError:  # torch < 2.9
+            return fn(q, k, v, block_mask=mask, enable_gqa=Hq != Hkv, return_lse=True)
+    qg = q.view(B, Hkv, Hq // Hkv, T, D)
+    s = torch.matmul(qg, k.unsqueeze(2).transpose(-1, -2)).float() * D ** -0.5        # [B, Hkv, G, T, T]
+    s = s.masked_fill(~torch.ones(T, T, dtype=torch.bool, device=q.device).tril(), float("-inf"))
+    lse = s.logsumexp(-1)
+    out = torch.matmul(torch.exp(s - lse.unsqueeze(-1)).to(q.dtype), v.unsqueeze(2))
+    return out.reshape(B, Hq, T, D), lse.reshape(B, Hq, T)
+
+
 def flex_ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
                        compiled: bool = False) -> torch.Tensor:
     """drafter.ttt_attention's result without its [T, T] score matrix (CUDA): the step-0 causal part
@@ -124,22 +151,10 @@ def flex_ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[t
     its single diagonal key in closed form — softmax over the union = the two parts re-weighted by
     their exp-sums. q [B, Hq, T, D]; keys / values: steps 0..i, each [B, Hkv, T, D].
     compiled: that merge as one torch.compile'd function (ttt_diagonal_merge) instead of eager passes."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
     B, Hq, T, D = q.shape
     Hkv = keys[0].shape[1]
     G = Hq // Hkv
-    mask = _FLEX.get((T, q.device))
-    if mask is None:
-        mask = _FLEX[(T, q.device)] = create_block_mask(lambda b, h, qi, ki: ki <= qi, None, None, T, T,
-                                                       device=q.device)
-    flex = _flex_fn()
-    try:
-        from torch.nn.attention.flex_attention import AuxRequest
-        out0, aux = flex(q, keys[0], values[0], block_mask=mask, enable_gqa=G > 1, return_aux=AuxRequest(lse=True))
-        lse0 = aux.lse
-    except ImportError:  # torch < 2.9
-        out0, lse0 = flex(q, keys[0], values[0], block_mask=mask, enable_gqa=G > 1, return_lse=True)
+    out0, lse0 = causal_with_lse(q, keys[0], values[0], flex=True)
     if len(keys) == 1:
         return out0
     if compiled:
@@ -191,6 +206,78 @@ def ttt_step(d, hidden, ids, pos, cache, attention):
     return d.norm(h) if d.spec.norm_output else h
 
 
+# ---------------------------------------------------------------------------------------------
+# a decoder layer as two compiled regions (training on one process)
+
+# Why: the H200 profile of the 8B-shaped step (bench_train.py, 2026-12-03) showed the step host-bound:
+# 73 ms queued against 69 ms of device time, the host paying ~0.5 ms per compiled region (guards, its
+# autograd node) and ~30 µs per eager op with autograd, forward and backward. With every norm, RoPE and
+# act·up a region of its own and the matmuls, adds and casts eager in between, one TTT step of a
+# one-layer drafter was ~8 regions and ~20 eager ops. Here a layer is two regions — everything before
+# the attention kernel, everything after it — plus flex attention itself: 3 per step (plus the loss).
+# Autocast inside a region would recast each fp32 weight on every one of the k calls, so the matmul
+# weights are cast once per step outside (eager autocast caches its casts the same way) and passed in.
+
+
+def ttt_layer_in(h, embeds, cos, sin, norm_ws, qkv, eps: float, heads: int, kv_heads: int, head_dim: int,
+                 first: bool, norm_before_residual: bool):
+    """drafter.DecoderLayer's forward up to the attention kernel, as one pure function: (q and k with
+    RoPE, v, the residual). norm_ws: (input_layernorm, hidden_norm) weights for layer 0, else
+    (input_layernorm,); qkv: (wq, bq, wk, bk, wv, bv), biases None when absent."""
+    from draftport.drafter import rms_norm, rope_qk
+
+    B, T, _ = h.shape
+    if first:
+        normed = rms_norm(h, norm_ws[1], eps)
+        x = torch.cat([rms_norm(embeds, norm_ws[0], eps), normed], dim=-1)  # embedding first, as the module
+        residual = normed if norm_before_residual else h
+    else:
+        x, residual = rms_norm(h, norm_ws[0], eps), h
+    wq, bq, wk, bk, wv, bv = qkv
+    q = nn.functional.linear(x, wq, bq).view(B, T, heads, head_dim).transpose(1, 2)
+    k = nn.functional.linear(x, wk, bk).view(B, T, kv_heads, head_dim).transpose(1, 2)
+    v = nn.functional.linear(x, wv, bv).view(B, T, kv_heads, head_dim).transpose(1, 2)
+    q, k = rope_qk(q, k, cos, sin)
+    return q, k, v, residual
+
+
+def ttt_layer_out(out0, lse0, q, diag_k, diag_v, residual, ws, act, eps: float, final_norm_w,
+                  norm_output: bool):
+    """The rest of the layer from the causal attention's output: the later steps' diagonal keys merged
+    in (ttt_diagonal_merge; diag_k / diag_v None at step 0), o_proj, residual, MLP, residual, and for the
+    last layer the final norm. ws: (wo, bo, post_attention_layernorm, wg, bg, wu, bu, wd, bd).
+    Returns (hidden carried to the next step, lm_head's input)."""
+    from draftport.drafter import gated_act, rms_norm
+
+    out = out0 if diag_k is None else ttt_diagonal_merge(out0, lse0, q, diag_k, diag_v)
+    B, Hq, T, D = out.shape
+    wo, bo, w_post, wg, bg, wu, bu, wd, bd = ws
+    h = residual + nn.functional.linear(out.transpose(1, 2).reshape(B, T, Hq * D), wo, bo)
+    y = rms_norm(h, w_post, eps)
+    h = h + nn.functional.linear(gated_act(act, nn.functional.linear(y, wg, bg), nn.functional.linear(y, wu, bu)),
+                                 wd, bd)
+    if final_norm_w is None:
+        return h, h
+    normed = rms_norm(h, final_norm_w, eps)
+    return (normed, normed) if norm_output else (h, normed)
+
+
+def _layer_weights(layer, cast: torch.dtype | None) -> tuple[tuple, tuple, tuple]:
+    """(norm weights, qkv, out-side weights) of a DecoderLayer for ttt_layer_in / _out; the matmul
+    weights and biases cast to the autocast dtype once (what autocast's cache does eagerly), the norm
+    weights as they are (the module multiplies in their dtype)."""
+    def c(lin, name):
+        w = getattr(lin, name)
+        return None if w is None else (w.to(cast) if cast is not None else w)
+
+    a, m = layer.self_attn, layer.mlp
+    norms = (layer.input_layernorm.weight, layer.hidden_norm.weight) if layer.first else (layer.input_layernorm.weight,)
+    qkv = tuple(c(lin, n) for lin in (a.q_proj, a.k_proj, a.v_proj) for n in ("weight", "bias"))
+    out = (c(a.o_proj, "weight"), c(a.o_proj, "bias"), layer.post_attention_layernorm.weight,
+           *(c(lin, n) for lin in (m.gate_proj, m.up_proj, m.down_proj) for n in ("weight", "bias")))
+    return norms, qkv, out
+
+
 class TTTModel(nn.Module):
     """The drafter and its k-step unroll as one module, so FSDP2's root hooks see the whole step.
     attention: "eager" (drafter.step and its ttt_attention) or "flex" (flex_ttt_attention, CUDA).
@@ -198,13 +285,19 @@ class TTTModel(nn.Module):
     fp32 work tensors are [rows_per_chunk, Vd]; no step's [B, T, Vd] logits are ever built.
     compile: the step's elementwise work runs torch.compile'd — the drafter's norms, RoPE and act·up
     (drafter.compiled_elementwise), the flex merge and the loss's per-chunk math; the same results up
-    to the order of fp32 sums, and the drafter's parameters and state_dict are untouched."""
+    to the order of fp32 sums, and the drafter's parameters and state_dict are untouched.
+    regions (with compile): "layer" — each decoder layer as two compiled regions around the attention
+    kernel (ttt_layer_in / ttt_layer_out, weights passed in; one process only: FSDP2 gathers a layer's
+    weights in its forward hooks, which this bypasses); "elementwise" — the modules run, their norms,
+    RoPE and act·up compiled one by one."""
 
     def __init__(self, drafter: nn.Module, k: int, rows_per_chunk: int, attention: str = "eager",
-                 compile: bool = False):
+                 compile: bool = False, regions: str = "layer"):
         super().__init__()
+        if regions not in ("layer", "elementwise"):
+            raise ValueError(f"regions {regions!r}: expected layer or elementwise")
         self.drafter, self.k, self.rows_per_chunk, self.attention = drafter, k, rows_per_chunk, attention
-        self.compile = compile
+        self.compile, self.regions = compile, regions
 
     def forward(self, aux, ids0, mask0, target0, argmax0, counts, with_hits: bool = False):
         """aux [B,T,n·Ht]; ids0, argmax0 [B,T] long; mask0 [B,T] bool; target0 [B,T+k,Vd] target logits
@@ -224,15 +317,19 @@ class TTTModel(nn.Module):
         pos = torch.arange(T, device=ids0.device)
         cache = TTTCache.empty(d.num_layers)  # right padding: causal keys never reach the pads
         hidden = d.project(aux)
+        step = self._region_step(d, T + k - 1, ids0.device) if self.compile and self.regions == "layer" else None
         loss, stats, hits_all, masks_all = 0.0, [], [], []
         for i in range(k):
             ids_i, mask_i, am_i = shift_left(ids0, i), shift_left(mask0, i), shift_left(argmax0, i)
             valid = position_valid(mask_i, am_i, d.t2d)
-            if self.attention == "flex":
-                hidden = ttt_step(d, hidden, ids_i, pos + i, cache, attention)
+            if step is not None:
+                hidden, head_in = step(hidden, ids_i, i, T)
             else:
-                hidden, _ = d.step(hidden, ids_i, pos + i, cache, with_logits=False)
-            head_in = hidden if d.spec.norm_output else d.norm(hidden)  # what drafter.logits feeds lm_head
+                if self.attention == "flex":
+                    hidden = ttt_step(d, hidden, ids_i, pos + i, cache, attention)
+                else:
+                    hidden, _ = d.step(hidden, ids_i, pos + i, cache, with_logits=False)
+                head_in = hidden if d.spec.norm_output else d.norm(hidden)  # what drafter.logits feeds lm_head
             # lm_head inside the loss (d.lm_head.weight is gathered: FSDP2 keeps it in the root module)
             li, draft_ids = linear_soft_ce(head_in, d.lm_head.weight, target0[:, i:i + T], valid,
                                            denom=counts[i].clamp_min(1), rows_per_chunk=self.rows_per_chunk,
@@ -244,6 +341,49 @@ class TTTModel(nn.Module):
                 hits_all.append(hits)
                 masks_all.append(mask_i)
         return loss, torch.stack(stats, 1), hits_all, masks_all
+
+    def _region_step(self, d, max_pos: int, device):
+        """A TTT step as per-layer regions: returns step(hidden, ids_i, i, T) -> (hidden, head_in)."""
+        from torch.utils.checkpoint import checkpoint
+
+        from draftport.fusion import compiled
+
+        layer_in, layer_out = compiled(ttt_layer_in, dynamic=None), compiled(ttt_layer_out, dynamic=None)
+        cast = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
+        layers = d.layers()
+        weights = [_layer_weights(layer, cast) for layer in layers]       # one cast per step, not per call
+        cos, sin = d.rope(torch.arange(max_pos + 1, device=device))      # every step's positions at once
+        flex, spec = self.attention == "flex", d.spec
+        # per layer: step 0's keys / values, then the later steps' (their diagonal keys)
+        first_kv: list = [None] * len(layers)
+        diag: list = [([], []) for _ in layers]
+        ckpt_out = getattr(d, "activation_checkpointing", False)
+
+        def step(hidden, ids_i, i, T):
+            embeds = d.embed(ids_i)
+            c, s = cos[:, i:i + T], sin[:, i:i + T]
+            h, head_in = hidden.to(d.fc.weight.dtype), None
+            for li, layer in enumerate(layers):
+                norms, qkv, out_w = weights[li]
+                q, k, v, residual = layer_in(h, embeds, c, s, norms, qkv, layer.input_layernorm.eps,
+                                             spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim,
+                                             layer.first, layer.norm_before_residual)
+                if i == 0:
+                    first_kv[li] = (k, v)
+                    dk = dv = None
+                else:
+                    diag[li][0].append(k)
+                    diag[li][1].append(v)
+                    dk, dv = torch.stack(diag[li][0]), torch.stack(diag[li][1])
+                out0, lse0 = causal_with_lse(q, *first_kv[li], flex=flex)
+                last = li == len(layers) - 1
+                args = (out0, lse0, q, dk, dv, residual, out_w, layer.mlp.act_fn, layer.post_attention_layernorm.eps,
+                        d.norm.weight if last else None, spec.norm_output)
+                # activation checkpointing: recompute this region (merge, o_proj, MLP) in backward
+                h, head_in = checkpoint(layer_out, *args, use_reentrant=False) if ckpt_out else layer_out(*args)
+            return h, head_in
+
+        return step
 
 
 def guarded_update(opt, gnorm: torch.Tensor, on_device: bool) -> torch.Tensor:
@@ -279,6 +419,7 @@ def enable_activation_checkpointing(drafter) -> None:
     def replay_as_forward():  # the recompute runs in backward, outside TTTModel's compiled_elementwise()
         return contextlib.nullcontext(), elementwise_as(elementwise_state())
 
+    drafter.activation_checkpointing = True  # TTTModel's layer regions read it (the modules are not called)
     for layer in drafter.layers():
         fwd = layer.mlp.forward
         layer.mlp.forward = lambda x, _f=fwd: checkpoint(_f, x, use_reentrant=False, context_fn=replay_as_forward)
@@ -518,7 +659,8 @@ def _run(cfg: TrainConfig, info, target, console) -> dict:
     if attention not in ("flex", "eager") or (attention == "flex" and dev.type != "cuda"):
         raise DraftportError(f"attention {cfg.attention!r}: expected eager, or flex on CUDA")
     model = TTTModel(drafter, k, cfg.loss_chunk, attention,
-                     compile=cfg.compile if cfg.compile is not None else dev.type == "cuda")
+                     compile=cfg.compile if cfg.compile is not None else dev.type == "cuda",
+                     regions="elementwise" if info.distributed else "layer")
     bf16 = dtype == "bf16"
     parallel.apply_fsdp(model, info, ignored_params={drafter.embed_tokens.weight}, bf16=bf16)
     amp = (lambda: torch.autocast(dev.type, dtype=torch.bfloat16)) if bf16 and not info.distributed else nullcontext
