@@ -18,7 +18,8 @@ drafter is also copied to <out>/final (engine files only).
 
 Speed: on CUDA the TTT attention runs as one fused flex-attention kernel for the step-0 causal keys
 plus the later steps' diagonal keys in closed form (flex_ttt_attention; no [T, T] scores, so long
-sequences fit), under bf16 autocast (one process) or FSDP2 bf16 mixed precision; lm_head and the soft
+sequences fit), under bf16 autocast (one process) or FSDP2 bf16 mixed precision; on one process each
+decoder layer runs as two compiled regions around that kernel (TTTModel regions="layer"); lm_head and the soft
 CE are one fused op over row chunks that computes its gradients in the forward (losses.linear_soft_ce),
 so no step keeps [B, T, Vd] logits; nothing in a step waits for the host but the logging, validation
 and checkpoint steps: a NaN/Inf step is skipped, never applied, and on one CUDA process that decision is
