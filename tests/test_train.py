@@ -315,14 +315,15 @@ GOLDEN_CFG = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama"
               "rope_theta": 10000.0, "max_position_embeddings": 64, "hidden_act": "silu", "tie_word_embeddings": False}
 
 
-def golden_case():
+def golden_case(**overrides):
     """The inputs the golden numbers were recorded on: a drafter with sharpened random weights and a
-    random vocab map, aux states, step-0 token ids, target logits and loss mask (already shifted)."""
+    random vocab map, aux states, step-0 token ids, target logits and loss mask (already shifted).
+    overrides: config keys changed from GOLDEN_CFG (other layouts; not the golden numbers' drafter)."""
     from draftport.drafter import Eagle3Drafter
 
     g = torch.Generator().manual_seed(1234)
     B, T, H, V, Vd = 2, 12, 32, 50, 20
-    d = Eagle3Drafter.from_config(GOLDEN_CFG, seed=7)
+    d = Eagle3Drafter.from_config({**GOLDEN_CFG, **overrides}, seed=7)
     with torch.no_grad():
         for n, p in d.named_parameters():
             if p.dim() == 2 and n != "embed_tokens.weight":
@@ -433,6 +434,41 @@ def test_fused_lm_head_loss_equals_the_logits_path(norm_output):
     for name, g, og in zip(names, grads, old_grads):
         assert og.abs().max() > 0, name
         torch.testing.assert_close(g, og, rtol=1e-4, atol=1e-6 * og.abs().max().item(), msg=name)
+
+
+def test_layer_regions_equal_eager_for_other_layouts():
+    """The layer regions (ttt_layer_in / _out, weights passed in) on the layouts the golden drafter lacks:
+    two decoder layers (the second a plain pre-norm layer), EAGLE-3.1's norm_output, speculators'
+    norm_before_residual, attention and MLP biases — loss, stats and every gradient equal the modules'."""
+    import torch.nn.functional as F
+
+    from draftport.fusion import compile_failures
+    from draftport.train import TTTModel
+
+    d, aux, ids0, target, mask0 = golden_case(num_hidden_layers=2, norm_output=True, norm_before_residual=True,
+                                              attention_bias=True, mlp_bias=True)
+    assert d.num_layers == 2 and d.spec.norm_output and d.spec.norm_before_residual
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for n, p in d.named_parameters():
+            if n.endswith(".bias"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    k = 3
+    used = torch.nonzero(d.t2d).reshape(-1)
+    inputs = (aux, ids0, mask0, F.pad(target[..., used], (0, 0, 0, k)), target.argmax(-1), torch.tensor([20, 18, 16]))
+    params = [p for p in d.parameters() if p.requires_grad]
+    runs = []
+    for compile in (False, True):
+        loss, stats, _, _ = TTTModel(d, k, 5, compile=compile, regions="layer")(*inputs)
+        runs.append((loss, stats, torch.autograd.grad(loss, params)))
+    (loss, stats, grads), (c_loss, c_stats, c_grads) = runs
+    assert not compile_failures()
+    assert c_loss.item() == pytest.approx(loss.item(), rel=1e-6) and loss.item() > 1.0
+    torch.testing.assert_close(c_stats, stats, rtol=1e-6, atol=1e-6)
+    for a, b in zip(c_grads, grads):
+        assert b.abs().max() > 0
+        # fp32 sums reordered through two layers: a few 1e-8 on biases whose gradients are ~1e-3
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item())
 
 
 def test_compiled_flex_merge_equals_ttt_attention():
