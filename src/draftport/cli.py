@@ -147,7 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-nonfinite-steps", type=int, default=5,
                    help="NaN/Inf loss steps are skipped; this many in a row stop the run (exit 2)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                   help="torch.compile the step's norms, RoPE, act·up, flex merge and loss math (default: on CUDA)")
+                   help="torch.compile the step: each decoder layer as two regions around the attention kernel on one "
+                        "process (norms, RoPE, act·up one by one with several ranks), and the loss math (default: on CUDA)")
     p.add_argument("--device-guard", action=argparse.BooleanOptionalAction, default=None,
                    help="decide the NaN/Inf skip on the GPU (fused AdamW) and read it at logging steps, not every "
                         "step (default: on for one CUDA process)")

@@ -89,7 +89,7 @@ class TrainConfig:
     target_cache_mb: int = 1024          # CPU: keep target-head results per sample up to this size
     activation_checkpointing: bool = False  # recompute the MLP in backward (long sequences)
     log_every: int | None = None         # metrics line every N steps (None: 1 on cpu, 10 on cuda); syncs
-    compile: bool | None = None          # torch.compile the step's elementwise work (None: on CUDA); same weights
+    compile: bool | None = None          # torch.compile the step (TTTModel: layer regions on one process; None: on CUDA)
     max_nonfinite_steps: int = 5         # a NaN/Inf loss or gradient skips its step; this many in a row stop the run
     device_guard: bool | None = None     # that skip decided on the device (fused AdamW), read at log steps
                                          # (None: on one CUDA process; never with several ranks)
