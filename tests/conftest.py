@@ -26,6 +26,20 @@ def pytest_addoption(parser):
                      help="run tests/test_reliability.py's kill campaign in full (by hand, minutes)")
 
 
+def reference_module(name: str):
+    """Import a package a test checks draftport against (a reference loader such as speculators).
+    Off CI a missing reference skips the test; under CI (CI=true), whose .ci/run installs every
+    reference, it fails it: a reference test that silently skips proves nothing."""
+    import importlib
+
+    try:
+        return importlib.import_module(name)
+    except ImportError as exc:
+        if os.environ.get("CI"):
+            pytest.fail(f"reference package {name} cannot be imported under CI: {exc}", pytrace=False)
+        pytest.skip(f"reference package {name} not installed: {exc}", allow_module_level=True)
+
+
 @pytest.fixture(scope="session")
 def fixtures_dir() -> Path:
     return FIXTURES

@@ -15,7 +15,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-speculators_eagle3 = pytest.importorskip("speculators.models.eagle3")
+from conftest import reference_module  # noqa: E402
+
+speculators_eagle3 = reference_module("speculators.models.eagle3")  # under CI: fails when missing
 
 from draftport.drafter import Eagle3Drafter, TTTCache  # noqa: E402
 

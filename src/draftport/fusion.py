@@ -7,8 +7,11 @@ cost is gone but each kernel still pays its fixed minimum, so the lever is the k
 
 `FusedTarget(model)` finds the model's RMSNorm modules and the modelling module's
 `apply_rotary_pos_emb`, builds torch.compile'd replacements (one Triton kernel per norm, one per
-q/k rotation), and checks each against the original on the module's own weights before using it: a
-norm class whose math it does not reproduce stays eager. `with fused.active(): model(...)` swaps
+q/k rotation), and checks each against the original on the module's own weights (norms) or on probe
+inputs (rotary) before using it: a norm class or rotary function whose math it does not reproduce stays
+eager. The replacements are draftport's own plain functions, never HF's objects: since transformers 5.25
+(with the `kernels` package, which it requires) `apply_rotary_pos_emb` is an `nn.Module` wrapper (no
+`__code__`, dispatching to hub kernels when a model is kernelized), so it is only called as the reference. `with fused.active(): model(...)` swaps
 them in for one forward only, so the same model used elsewhere (HF `generate` as a baseline) is
 untouched.
 """
@@ -38,6 +41,20 @@ def rms_norm_unit_offset(x: torch.Tensor, weight: torch.Tensor, eps: float) -> t
 
 
 VARIANTS = (rms_norm_weight_after_cast, rms_norm_unit_offset)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rotary_half_split(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      position_ids=None, unsqueeze_dim: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotary embedding of HF's Llama-family modelling files (Llama, Mistral, Qwen, Gemma 1-3): each
+    head dim paired with the one half a head away. position_ids: the old signature's argument, unused
+    there too (cos/sin are already per position). q/k [B, heads, T, D]; cos/sin [B, T, D]."""
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 _COMPILED: dict = {}
 
 
@@ -72,16 +89,16 @@ class _FallBack:
         self.fn, self.fast, self.failed = fn, fast, None
         self.__name__ = getattr(fn, "__name__", "fn")
 
-    def __call__(self, *args):
+    def __call__(self, *args, **kwargs):
         if self.failed is None:
             try:
-                return self.fast(*args)
+                return self.fast(*args, **kwargs)
             except Exception as exc:  # compiler / Triton errors have no common base class
                 if type(exc).__name__ == "_StopRecomputationError":
                     raise  # activation checkpointing's own signal: the recompute has what it needs
                 self.failed = f"{type(exc).__name__}: {exc}"[:300]
                 warnings.warn(f"draftport: compiled {self.__name__} failed, running it eagerly: {self.failed}")
-        return self.fn(*args)
+        return self.fn(*args, **kwargs)
 
 
 def _norm_eps(module) -> float | None:
@@ -174,7 +191,7 @@ class FusedTarget:
             orig = getattr(pymod, "apply_rotary_pos_emb", None)
             if orig is None or not callable(orig):
                 continue
-            repl = wrap(orig)
+            repl = wrap(rotary_half_split)
             if self._rotary_ok(orig, repl, model):
                 self.rotary.append((pymod, orig, repl))
                 self.report["rotary"].append(modname)
@@ -207,16 +224,37 @@ class FusedTarget:
 
     @staticmethod
     def _rotary_ok(orig, repl, model) -> bool:
+        """rotary_half_split reproduces the modelling module's function on full-width cos/sin and, where the
+        original accepts them (partial-rotary families), on cos/sin narrower than the head, which ours
+        refuses; then the compiled repl on the full width. The narrow probe runs the plain function: a
+        compiled one that raised would fall back to eager for every model in the process."""
         p = next(model.parameters())
         g = torch.Generator(device=p.device).manual_seed(1)
         q, k = (torch.randn(1, 2, 3, 8, generator=g, device=p.device).to(p.dtype) for _ in range(2))
-        cos, sin = (torch.randn(1, 3, 8, generator=g, device=p.device).to(p.dtype) for _ in range(2))
+        full = [torch.randn(1, 3, 8, generator=g, device=p.device).to(p.dtype) for _ in range(2)]
+        narrow = [torch.randn(1, 3, 4, generator=g, device=p.device).to(p.dtype) for _ in range(2)]
+
+        def same(fn, cos_sin, want) -> bool:
+            try:
+                with torch.no_grad():
+                    got = fn(q, k, *cos_sin)
+            except Exception:
+                return False
+            return isinstance(want, tuple) and len(want) == 2 and all(_close(x, y) for x, y in zip(want, got))
+
         try:
             with torch.no_grad():
-                a, b = orig(q, k, cos, sin), repl(q, k, cos, sin)
+                want_full = orig(q, k, *full)
         except Exception:
             return False
-        return all(_close(x, y) for x, y in zip(a, b))
+        try:
+            with torch.no_grad():
+                want_narrow = orig(q, k, *narrow)
+        except Exception:
+            want_narrow = None  # the original refuses narrow cos/sin too: nothing to reproduce
+        if want_narrow is not None and not same(rotary_half_split, narrow, want_narrow):
+            return False
+        return same(rotary_half_split, full, want_full) and same(repl, full, want_full)
 
     @contextlib.contextmanager
     def active(self):
