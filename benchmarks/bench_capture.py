@@ -27,8 +27,8 @@ import time
 import numpy as np
 import torch
 
-from draftport.capture import SHARD_BYTES, capture_shard, length_batches, plan_shards
-from draftport.store import StoreWriter, bytes_per_token
+from draftport.train.capture import SHARD_BYTES, capture_shard, length_batches, plan_shards
+from draftport.data.store import StoreWriter, bytes_per_token
 
 SHAPES = {
     # random weights of real shapes (no hub here); enough to time prefill and storage
@@ -46,7 +46,7 @@ SHAPES = {
 def build_shaped_target(shape: str, device: str, dtype: torch.dtype):
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
 
-    from draftport.target import HFTarget
+    from draftport.model.target import HFTarget
 
     kw = dict(SHAPES[shape])
     family = kw.pop("family")
@@ -83,7 +83,7 @@ def padded(ids: list[np.ndarray], device):
 def check_store(out: str, target, ids: list[np.ndarray], n: int = 2) -> dict:
     """Not a timing: the store just written must pass its checksums and hold what a batch-1 forward
     of the same sample gives (bf16; batching moves values by about one rounding step at most)."""
-    from draftport.store import Store
+    from draftport.data.store import Store
 
     store = Store(out, verify=True)
     worst = 0.0
@@ -122,7 +122,7 @@ def main(argv=None) -> int:
     if args.shape:
         target, name = build_shaped_target(args.shape, args.device, dtype), f"random {args.shape}"
     else:
-        from draftport.capture import CaptureConfig, resolve_target
+        from draftport.train.capture import CaptureConfig, resolve_target
 
         name = args.target or "tiny-llama"
         target, _ = resolve_target(CaptureConfig(target=name, data="-", out="-", device=args.device, dtype=dtype_name))

@@ -23,9 +23,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from draftport.compat import CheckConfig, run_check
-from draftport.inventory import DTYPE_SIZES, expected_inventory
-from draftport.spec import load_drafter_spec
+from draftport.check.compat import CheckConfig, run_check
+from draftport.check.inventory import DTYPE_SIZES, expected_inventory
+from draftport.check.spec import load_drafter_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "fixtures"

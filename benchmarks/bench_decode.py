@@ -38,7 +38,7 @@ import traceback
 
 import torch
 
-from draftport.evaluate import EvalConfig, decode_rate, hf_generate_rate, load_drafter_for, run_eval, time_call
+from draftport.decode.evaluate import EvalConfig, decode_rate, hf_generate_rate, load_drafter_for, run_eval, time_call
 
 HBM_BYTES_PER_S = 4.8e12  # H200 HBM3e peak
 SHAPES = {
@@ -120,7 +120,7 @@ def build_random_target(shape: str, device: str, dtype: torch.dtype):
     """An HF model of a known shape with random weights, built directly on the device (no host copy)."""
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
 
-    from draftport.target import HFTarget
+    from draftport.model.target import HFTarget
 
     if shape not in SHAPES:
         raise SystemExit(f"unknown random shape {shape!r}; known: {', '.join(SHAPES)}")
@@ -146,7 +146,7 @@ def build_random_target(shape: str, device: str, dtype: torch.dtype):
 
 def build_random_drafter(target, device: str, dtype: torch.dtype, draft_vocab: int = 32000):
     """A random EAGLE-3 drafter of the target's shape (timing only: its τ is ~1)."""
-    from draftport.drafter import Eagle3Drafter
+    from draftport.model.drafter import Eagle3Drafter
 
     H = target.hidden_size
     text = target.model.config.get_text_config()
@@ -184,7 +184,7 @@ def random_prompts(target, n: int, length: int = 128, seed: int = 0) -> list[lis
 # ---------------------------------------------------------------------------------------------
 
 def engines(target, drafter, args, depth: int, max_len: int = 1024):
-    from draftport.engine import EngineConfig, SpecEngine
+    from draftport.decode.engine import EngineConfig, SpecEngine
 
     base = SpecEngine(target, None, EngineConfig(max_len=max_len))
     spec = SpecEngine(target, drafter, EngineConfig(depth=depth, max_len=max_len)) if drafter is not None else None
@@ -209,7 +209,7 @@ def section_steps(target, drafter, args, hbm: float) -> dict:
         out[f"target_{T}_queued_ms"] = time_call(lambda: base.target_pass(ids, n, ar[:T], tril), dev, args.repeats,
                                                  inner=8)
     # the same passes before this version's kernel work (HF's eager norms, the default attention kernel)
-    from draftport.engine import EngineConfig, SpecEngine
+    from draftport.decode.engine import EngineConfig, SpecEngine
     old = SpecEngine(target, None, EngineConfig(max_len=base.S, fuse=False, sdpa="default"))
     for T in (1, 8):
         ids = torch.zeros(T, dtype=torch.long, device=dev)
@@ -219,7 +219,7 @@ def section_steps(target, drafter, args, hbm: float) -> dict:
     del old
     out["sdpa_choices"] = base.sdpa_choices()
     if base.fused is not None:
-        from draftport.fusion import compile_failures
+        from draftport.model.fusion import compile_failures
         out["fusion"] = {**base.fused.report, "compile_failures": compile_failures()}
     step = out["target_1_ms"]
     out["decode_step_ms"] = step
@@ -248,7 +248,7 @@ def section_profile(target, drafter, args) -> dict:
     step's time goes, to weigh against the HBM floor before changing anything."""
     from torch.profiler import ProfilerActivity, profile
 
-    from draftport.engine import EngineConfig, SpecEngine
+    from draftport.decode.engine import EngineConfig, SpecEngine
 
     eng = SpecEngine(target, None, EngineConfig(max_len=1024, use_cuda_graphs=False))
     dev = eng.device
@@ -292,7 +292,7 @@ def engine_rate(engine, prompts, n_new: int, stop_ids=()) -> dict:
 
 
 def section_engine(target, drafter, prompts, args, stop_ids=()) -> dict:
-    from draftport.engine import EngineConfig, SpecEngine
+    from draftport.decode.engine import EngineConfig, SpecEngine
 
     max_len = max(len(p) for p in prompts) + args.max_new_tokens + 64
     out = {"plain": engine_rate(SpecEngine(target, None, EngineConfig(max_len=max_len)), prompts,
@@ -389,7 +389,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     budget = Budget(args.budget_s)
     result = {"bench": "decode", "args": vars(args), "machine": machine_info(args)}
-    from draftport.target import load_target, resolve_device, resolve_dtype
+    from draftport.model.target import load_target, resolve_device, resolve_dtype
 
     dev = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, dev)
@@ -406,8 +406,8 @@ def main(argv=None) -> int:
             drafter = budget.run("load_drafter", build_random_drafter, target, str(dev), dtype)
         stop_ids: list[int] = []
         if target.tokenizer is not None:
-            from draftport.data import load_prompts, stop_token_ids
-            from draftport.evaluate import encode_prompts
+            from draftport.data.conversations import load_prompts, stop_token_ids
+            from draftport.decode.evaluate import encode_prompts
 
             prompts = encode_prompts(target, load_prompts("mt-bench", max_samples=args.prompts_n), None, None)
             stop_ids = stop_token_ids(target.tokenizer, None, target.eos_token_ids)

@@ -26,9 +26,9 @@ import time
 
 import torch
 
-from draftport.drafter import Eagle3Drafter
-from draftport.losses import position_valid, shift_left
-from draftport.train import TTTModel, guarded_update
+from draftport.model.drafter import Eagle3Drafter
+from draftport.train.losses import position_valid, shift_left
+from draftport.train.loop import TTTModel, guarded_update
 
 SHAPES = {
     "8b": dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
@@ -91,7 +91,7 @@ def run(args, T: int, steps: int) -> dict:
     drafter.set_vocab_mapping(used - torch.arange(Vd, device=dev), t2d)
     drafter.set_embedding(torch.randn(V, H, device=dev, dtype=dt, generator=g) * 0.02)
     if args.checkpointing:
-        from draftport.train import enable_activation_checkpointing
+        from draftport.train.loop import enable_activation_checkpointing
 
         enable_activation_checkpointing(drafter)
     attention = args.attention or ("flex" if dev.type == "cuda" else "eager")

@@ -16,7 +16,7 @@ start=$(date +%s)
 # target A: a tiny random model saved as an HF directory (what a real target looks like on disk)
 python - "$OUT/target-a" <<'PY'
 import sys
-from draftport.target import tiny_target
+from draftport.model.target import tiny_target
 t = tiny_target("llama", seed=0)
 t.model.save_pretrained(sys.argv[1])
 t.tokenizer.save_pretrained(sys.argv[1])

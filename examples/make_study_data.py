@@ -35,7 +35,7 @@ def cut_messages(messages: list[dict], max_chars: int) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    from draftport.data import iter_conversations
+    from draftport.data.conversations import iter_conversations
     from make_target_b import is_code
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

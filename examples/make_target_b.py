@@ -11,7 +11,7 @@ verb takes as --target; `make_target_b.json` beside it records the recipe and th
     python examples/make_target_b.py --target-a $DRAFTPORT_GGUF --data $DRAFTPORT_DATA --out runs/target-b
 
 Inputs are a target draftport loads (a .gguf file, an HF dir or `gemma-3-270m`) and conversations in
-any form `draftport.data` reads (ShareGPT `conversations`, `messages`, a named source). Nothing is
+any form `draftport.data.conversations` reads (ShareGPT `conversations`, `messages`, a named source). Nothing is
 downloaded.
 """
 
@@ -33,7 +33,7 @@ def is_code(conv) -> bool:
 
 
 def pick_conversations(data: str, skip: int, num: int):
-    from draftport.data import iter_conversations
+    from draftport.data.conversations import iter_conversations
 
     out = []
     for i, conv in enumerate(iter_conversations(data)):
@@ -91,9 +91,9 @@ def main(argv=None) -> int:
 
     import torch
 
-    from draftport.data import tokenize_conversation
+    from draftport.data.conversations import tokenize_conversation
     from draftport.safeio import atomic_write_json
-    from draftport.target import load_target
+    from draftport.model.target import load_target
 
     torch.manual_seed(args.seed)
     t0 = time.perf_counter()

@@ -19,11 +19,11 @@ def pytest_addoption(parser):
     # the full hostile-input run (issue #7): 1,200 cases per reader instead of CI's few dozen;
     # DRAFTPORT_FUZZ_EXAMPLES=N sets the number per reader directly
     parser.addoption("--fuzz-full", action="store_true", default=False,
-                     help="run tests/test_fuzz.py with 1,200 generated cases per reader (by hand, minutes)")
+                     help="run tests/check/test_fuzz.py with 1,200 generated cases per reader (by hand, minutes)")
     # the full killed-run campaign (issue #7): 12 SIGKILLs of `python -m draftport capture` and of
     # `... train` at random points instead of CI's 3 each (of forked children)
     parser.addoption("--reliability-full", action="store_true", default=False,
-                     help="run tests/test_reliability.py's kill campaign in full (by hand, minutes)")
+                     help="run tests/train/test_reliability.py's kill campaign in full (by hand, minutes)")
 
 
 def reference_module(name: str):
@@ -48,7 +48,7 @@ def fixtures_dir() -> Path:
 @pytest.fixture(scope="session")
 def gemma_target():
     """The embedded default target (Gemma-3-270M, fp32, CPU), loaded once per test session."""
-    from draftport.target import load_target
+    from draftport.model.target import load_target
 
     return load_target("gemma-3-270m", device="cpu", dtype="fp32")
 

@@ -19,16 +19,16 @@ from draftport.errors import DraftportError, is_disk_full
 # verb -> (module, config dataclass, main function). The config's fields carry the same names as the
 # argparse dests below; `config_from_args` copies the ones the dataclass declares.
 VERBS = {
-    "check": ("draftport.compat", "CheckConfig", "main"),
+    "check": ("draftport.check.compat", "CheckConfig", "main"),
     "economics": ("draftport.economics", "EconomicsConfig", "main"),
-    "capture": ("draftport.capture", "CaptureConfig", "main"),
-    "train": ("draftport.train", "TrainConfig", "main"),
-    "eval": ("draftport.evaluate", "EvalConfig", "main"),
-    "generate": ("draftport.evaluate", "GenerateConfig", "generate_main"),
-    "probe": ("draftport.probe", "ProbeConfig", "main"),
-    "export": ("draftport.formats", "ExportConfig", "export_main"),
-    "study": ("draftport.study", "StudyConfig", "main"),
-    "demo": ("draftport.demo", "DemoConfig", "main"),
+    "capture": ("draftport.train.capture", "CaptureConfig", "main"),
+    "train": ("draftport.train.loop", "TrainConfig", "main"),
+    "eval": ("draftport.decode.evaluate", "EvalConfig", "main"),
+    "generate": ("draftport.decode.evaluate", "GenerateConfig", "generate_main"),
+    "probe": ("draftport.study.probe", "ProbeConfig", "main"),
+    "export": ("draftport.model.formats", "ExportConfig", "export_main"),
+    "study": ("draftport.study.study", "StudyConfig", "main"),
+    "demo": ("draftport.study.demo", "DemoConfig", "main"),
 }
 
 WRITING_VERBS = {"capture", "train", "eval", "probe", "export", "study", "demo"}

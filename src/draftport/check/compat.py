@@ -1,0 +1,550 @@
+"""Which target layers each engine feeds a drafter, and the `draftport check` verdicts.
+
+The aux-layer rules, as the engines implement them (0-based "input of decoder layer i" ids,
+= HF `output_hidden_states[i]`; both engines append `hidden + residual` *before* running
+layer i when i is in their capture list):
+- SGLang reads only `eagle_config.eagle_aux_hidden_state_layer_ids` (model_runner.py). Without
+  it, `set_eagle3_layers_to_capture(None)` captures [2, L//2, L-3] as is (llama.py, qwen3.py,
+  deepseek_v2.py: no +1 on the default). With ids, Llama/Qwen/Gemma and the other non-DeepSeek
+  models capture `[i + 1 for i in ids]`; deepseek_v2.py (DeepSeek-V3, Kimi-K2) adds 1 only when
+  the first id is 1 (SGLang 0.5.23+; older releases added 1 always, like Llama).
+- vLLM reads only a top-level `eagle_aux_hidden_state_layer_ids`
+  (eagle3_utils.get_eagle3_aux_layers_from_config) and uses the ids as they are; without it,
+  the model's default (2, L//2, L-3).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+from draftport.errors import DraftportError, bad_input
+from draftport.check.inventory import (FROZEN_OR_TRAINING, PICKLE_SUFFIXES, VOCAB_BUFFERS, Inventory, TensorInfo,
+                                 canonical_name, expected_inventory, read_d2t, read_inventory)
+from draftport.check.spec import (MLA_ARCHS, SGLANG_ARCHS, DrafterSpec, TargetSpec, default_aux_layers, load_drafter_spec,
+                            load_target_spec, target_family)
+
+ENGINES = ("sglang", "vllm")
+SGLANG_RULE_NOTE = "SGLang 0.5.23+ rule; older SGLang releases added 1 on DeepSeek/Kimi targets too"
+
+
+def _engine(engine: str) -> str:
+    if engine not in ENGINES:
+        raise bad_input(None, f"unknown engine {engine!r} (expected one of {', '.join(ENGINES)})")
+    return engine
+
+
+def _target_facts(drafter: DrafterSpec | None, target: TargetSpec | None) -> tuple[str | None, int | None]:
+    """(family, num_layers) from the target, else from what a draftport-trained drafter recorded."""
+    if target is not None:
+        return target.family, target.num_layers
+    if drafter is not None and (drafter.target_architecture or drafter.target_model_type):
+        fam = target_family(drafter.target_architecture or "", drafter.target_model_type or "")
+        return fam, drafter.target_num_layers
+    return None, drafter.target_num_layers if drafter is not None else None
+
+
+def engine_raw_ids(drafter: DrafterSpec, engine: str) -> tuple[int, ...] | None:
+    """The raw ids `engine` reads from this drafter's config (None: it uses its default).
+
+    `aux_layer_ids` (with `aux_ids_key`) is authoritative for the key it names, so a spec changed
+    with dataclasses.replace(aux_layer_ids=...) maps as changed; the other key comes from the config.
+    """
+    _engine(engine)
+    if engine == "sglang":
+        return drafter.aux_layer_ids if drafter.aux_ids_key == "eagle_config" else drafter.nested_aux_ids
+    return drafter.aux_layer_ids if drafter.aux_ids_key in ("top_level", "speculators") else drafter.top_level_aux_ids
+
+
+def sglang_adds_one(family: str | None, raw_ids) -> bool:
+    if family == "deepseek":
+        return bool(raw_ids) and raw_ids[0] == 1
+    return True
+
+
+def capture_layers(drafter: DrafterSpec, target: TargetSpec | None, engine: str) -> list[int]:
+    """THE mapping: raw aux ids in the drafter's config -> the layers `engine` will feed it."""
+    _engine(engine)
+    family, num_layers = _target_facts(drafter, target)
+    raw = engine_raw_ids(drafter, engine)
+    if raw is None:
+        if num_layers is None:
+            raise bad_input(drafter.source, f"{engine} would use its default aux layers, which depend on the "
+                                            "target's layer count: pass a target")
+        return default_aux_layers(num_layers)
+    if engine == "vllm":
+        return list(raw)
+    if family is None and raw[0] != 1:
+        raise bad_input(drafter.source, "which layers SGLang captures for these aux ids depends on the "
+                                        "target family (DeepSeek/Kimi or not): pass a target")
+    return [i + 1 for i in raw] if sglang_adds_one(family, raw) else list(raw)
+
+
+def engine_aux_ids(layers: list[int], target: TargetSpec | None, engine: str) -> list[int]:
+    """The inverse: raw ids to write (SGLang: under eagle_config; vLLM: top level) so that
+    `engine` captures exactly `layers`. A missing target is read as a non-DeepSeek family.
+    """
+    _engine(engine)
+    layers = [int(i) for i in layers]
+    if not layers or min(layers) < 0:
+        raise bad_input(None, f"aux layers must be a non-empty list of ids >= 0, got {layers}")
+    if target is not None and max(layers) >= target.num_layers:
+        raise bad_input(target.source, f"aux layer {max(layers)} is out of range for a {target.num_layers}-layer target")
+    if engine == "vllm":
+        return layers
+    family = target.family if target is not None else None
+    minus_one = [i - 1 for i in layers]
+    if family != "deepseek":
+        if min(minus_one) < 0:
+            raise bad_input(None, "SGLang adds 1 to eagle_config ids on this target, so it cannot be made to "
+                                  "capture layer 0 (the embeddings)")
+        return minus_one
+    # DeepSeek/Kimi: +1 only when the first id is 1. Prefer the form that starts with 1: older
+    # SGLang releases added 1 unconditionally, so those ids mean the same layers on both.
+    if minus_one[0] == 1 and min(minus_one) >= 0:
+        return minus_one
+    if layers[0] != 1:
+        return layers
+    raise bad_input(None, "SGLang (0.5.23+) cannot be made to capture layer 1 first on a DeepSeek/Kimi target: "
+                          "ids starting with 1 are shifted to 2")
+
+
+# ---------------------------------------------------------------------------------------------
+# findings: {severity: error|warning|info, code: stable snake_case, message, [engine], [about]}
+def finding(severity: str, code: str, message: str, *, engine: str | None = None, about: str | None = None) -> dict:
+    f = {"severity": severity, "code": code, "message": " ".join(message.split())}
+    if engine is not None:
+        f["engine"] = engine
+    if about is not None:
+        f["about"] = about
+    return f
+
+
+def _fmt(names, limit: int = 6) -> str:
+    names = sorted(names)
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
+
+
+def _real_trainable(inv: Inventory) -> dict[str, TensorInfo]:
+    """Canonical name -> info for the tensors engines load as drafter weights (no embedding, no buffers)."""
+    return {canonical_name(n): i for n, i in inv.tensors.items()
+            if canonical_name(n) not in FROZEN_OR_TRAINING and n not in VOCAB_BUFFERS}
+
+
+def _expected_trainable(spec: DrafterSpec) -> dict[str, TensorInfo]:
+    return {canonical_name(n): i for n, i in expected_inventory(spec).items() if n not in VOCAB_BUFFERS}
+
+
+def check_drafter(spec: DrafterSpec, inv: Inventory | None, about: str = "drafter") -> list[dict]:
+    """Is this checkpoint consistent with its own config? (the single-drafter `valid` / `invalid`)"""
+    out: list[dict] = []
+    ids = [i for key in ("nested_aux_ids", "top_level_aux_ids") for i in (getattr(spec, key) or ())]
+    ids += list(spec.aux_layer_ids or ())
+    if any(i < 0 for i in ids):
+        out.append(finding("error", "aux_ids_negative", f"aux layer ids {sorted(set(ids))} contain a negative id", about=about))
+    if spec.nested_aux_ids and spec.top_level_aux_ids and spec.nested_aux_ids != spec.top_level_aux_ids:
+        out.append(finding("info", "aux_ids_two_places",
+                           f"eagle_config ids {list(spec.nested_aux_ids)} (SGLang) and top-level ids "
+                           f"{list(spec.top_level_aux_ids)} (vLLM) differ; see capture_layers for what each engine feeds", about=about))
+    if inv is None:
+        return out
+    for p in inv.pickles:
+        out.append(finding("warning", "pickle_weights", f"{os.path.basename(p)} is a pickle: draftport never "
+                           "unpickles, so its tensors are not checked (convert it to safetensors)", about=about))
+    if not inv.has_weights:
+        if not inv.pickles:
+            out.append(finding("info", "config_only", "no safetensors weights: tensor names and shapes not checked", about=about))
+        return out
+    expected = {canonical_name(n): i for n, i in expected_inventory(spec).items()}
+    real = {canonical_name(n): i for n, i in inv.tensors.items()}
+    missing = [n for n in expected if n not in real and n != "t2d"]
+    if missing:
+        code = "missing_d2t" if missing == ["d2t"] else "missing_tensors"
+        why = (" (draft vocab is smaller than the target's: without d2t engines read draft ids as target ids)"
+               if "d2t" in missing else "")
+        out.append(finding("error", code, f"config implies tensors the checkpoint lacks: {_fmt(missing)}{why}", about=about))
+    if "t2d" in expected and "t2d" not in real:
+        out.append(finding("info", "no_t2d", "no t2d buffer (SGLang and vLLM do not need it; training does)", about=about))
+    bad = [f"{n} {list(real[n].shape)} (config implies {list(e.shape)})" for n, e in expected.items()
+           if n in real and real[n].shape != e.shape]
+    if bad:
+        out.append(finding("error", "shape_mismatch", f"tensor shapes contradict config.json: {_fmt(bad, 4)}", about=about))
+    emb = real.get("embed_tokens.weight")
+    if emb is not None and emb.shape != (spec.vocab_size, spec.hidden_size):
+        out.append(finding("error", "shape_mismatch", f"embed_tokens.weight is {list(emb.shape)}, config implies "
+                           f"[{spec.vocab_size}, {spec.hidden_size}]", about=about))
+    unknown = [n for n in real if n not in expected and n not in FROZEN_OR_TRAINING]
+    if unknown:
+        out.append(finding("warning", "unknown_tensors", f"tensors the config does not explain (SGLang skips unknown "
+                           f"tensors without a word, so they would not be used): {_fmt(unknown)}", about=about))
+    dtypes = sorted({real[n].dtype for n, e in expected.items() if n in real and e.dtype not in ("I64", "BOOL")
+                     and real[n].dtype != e.dtype})
+    if dtypes:
+        out.append(finding("info", "dtype_differs", f"weights are stored as {', '.join(dtypes)} while config.json says "
+                           f"{spec.dtype} (engines cast at load)", about=about))
+    return out
+
+
+def engine_support(spec: DrafterSpec, inv: Inventory | None, engine: str, about: str = "drafter") -> list[dict]:
+    """What `engine` cannot load, or loads differently from what the config means (severity error)."""
+    out: list[dict] = []
+    e = engine
+    if e == "sglang":
+        if spec.layout == "speculators":
+            out.append(finding("error", "architecture_unsupported", "SGLang has no Eagle3Speculator model (and would "
+                               "skip speculators' layers.N.* tensors); export with `draftport export --format sglang`",
+                               engine=e, about=about))
+        elif spec.layout == "eagle":
+            out.append(finding("error", "architecture_unsupported", "architectures=LlamaForCausalLM makes SGLang build a "
+                               "full Llama model, not an EAGLE-3 drafter; set architectures to LlamaForCausalLMEagle3",
+                               engine=e, about=about))
+        elif spec.architecture not in SGLANG_ARCHS + MLA_ARCHS:
+            out.append(finding("warning", "architecture_unknown", f"SGLang may not know architecture {spec.architecture}",
+                               engine=e, about=about))
+        if spec.num_aux_layers != 3:
+            out.append(finding("error", "aux_count_unsupported", f"SGLang's fc reads exactly 3 aux states, this drafter "
+                               f"expects {spec.num_aux_layers}", engine=e, about=about))
+        for flag in ("norm_before_residual", "norm_before_fc"):
+            if getattr(spec, flag):
+                out.append(finding("error", "flag_ignored", f"{flag}=true is a speculators option SGLang's "
+                                   "LlamaForCausalLMEagle3 does not apply: the drafter would run with different "
+                                   "normalisation than it was trained with", engine=e, about=about))
+        if inv is not None:
+            skipped = [n for n in inv.tensors if n.startswith("layers.")]
+            if skipped and spec.layout != "speculators":
+                out.append(finding("error", "tensors_skipped", f"SGLang names the decoder layer midlayer.* and silently "
+                                   f"skips {_fmt(skipped, 3)}", engine=e, about=about))
+            if "fc.bias" in inv.tensors and not spec.raw.get("bias"):
+                out.append(finding("error", "tensors_skipped", "fc.bias is in the checkpoint but SGLang builds fc without "
+                                   "bias (config has no \"bias\": true) and skips it silently", engine=e, about=about))
+        if spec.top_level_aux_ids is not None and spec.nested_aux_ids is None:
+            out.append(finding("warning", "aux_ids_ignored", "SGLang reads only eagle_config.eagle_aux_hidden_state_layer_ids; "
+                               "the top-level ids are ignored and SGLang uses its default layers", engine=e, about=about))
+    else:
+        if spec.nested_aux_ids is not None and spec.top_level_aux_ids is None:
+            out.append(finding("warning", "aux_ids_ignored", "vLLM reads only a top-level eagle_aux_hidden_state_layer_ids; "
+                               "the eagle_config ids are ignored and vLLM uses its default layers", engine=e, about=about))
+        if spec.num_layers > 1 and spec.layout != "speculators":
+            out.append(finding("error", "layers_unsupported", f"{spec.num_layers} decoder layers in SGLang's form "
+                               "(additional_layers.*, hidden_norm): vLLM stacks extra layers as layers.N and does not "
+                               "load these", engine=e, about=about))
+        if spec.fc_norm or spec.norm_output:
+            out.append(finding("warning", "flag_version", "fc_norm / norm_output (EAGLE-3.1) are read only by recent vLLM "
+                               "releases; an older one runs this drafter without them", engine=e, about=about))
+    return out
+
+
+def _capture_or_none(spec: DrafterSpec, target: TargetSpec | None, engine: str) -> list[int] | None:
+    try:
+        return capture_layers(spec, target, engine)
+    except DraftportError:
+        return None
+
+
+def _explain_capture(spec: DrafterSpec, target: TargetSpec, engine: str, layers: list[int]) -> str:
+    raw = engine_raw_ids(spec, engine)
+    name = "SGLang" if engine == "sglang" else "vLLM"
+    if raw is None:
+        where = "eagle_config ids" if engine == "sglang" else "top-level ids"
+        return f"{name} captures {layers} (no {where}: its default [2, L//2, L-3] for L={target.num_layers})"
+    if engine == "vllm":
+        return f"vLLM captures {layers} (top-level ids used as written)"
+    if target.family == "deepseek":
+        rule = "+1 because the first id is 1" if sglang_adds_one("deepseek", raw) else "as written: first id is not 1"
+        return f"SGLang captures {layers} (eagle_config ids {list(raw)}, {rule} on DeepSeek/Kimi; {SGLANG_RULE_NOTE})"
+    return f"SGLang captures {layers} (eagle_config ids {list(raw)} + 1 on {target.family} targets)"
+
+
+def check_target(spec: DrafterSpec, inv: Inventory | None, target: TargetSpec, engines=ENGINES,
+                 about: str = "drafter") -> tuple[list[dict], dict[str, list[int]]]:
+    """Does the drafter load on each engine with this target, and is it fed states of the right width
+    from the right layers? Returns (findings, {engine: captured layers})."""
+    out: list[dict] = []
+    t, s = target, spec
+    if s.target_hidden_size != t.hidden_size:
+        out.append(finding("error", "hidden_size_mismatch", f"fc reads {s.num_aux_layers} × {s.target_hidden_size} but "
+                           f"the target's hidden states are {t.hidden_size} wide", about=about))
+    if s.hidden_size != t.hidden_size and s.target_hidden_size == t.hidden_size:
+        has_emb = inv is not None and any(canonical_name(n) == "embed_tokens.weight" for n in inv.tensors)
+        if not has_emb:
+            out.append(finding("warning" if inv is None or not inv.has_weights else "error", "embedding_missing",
+                               f"drafter width {s.hidden_size} differs from the target's {t.hidden_size}: engines "
+                               "cannot share the target's embedding and the checkpoint must carry its own", about=about))
+    if s.vocab_size != t.vocab_size:
+        out.append(finding("error", "vocab_mismatch", f"drafter vocab {s.vocab_size} vs target vocab {t.vocab_size}: "
+                           "the embedding, t2d and d2t index a different tokenizer", about=about))
+    elif s.draft_vocab_size < t.vocab_size and inv is not None and inv.has_weights and "d2t" not in inv.tensors:
+        out.append(finding("error", "missing_d2t", f"draft vocab {s.draft_vocab_size} < target vocab {t.vocab_size} "
+                           "but the checkpoint has no d2t: draft ids would be read as target ids", about=about))
+    if t.max_position_embeddings and s.max_position_embeddings < t.max_position_embeddings:
+        out.append(finding("warning", "max_position_below_context", f"drafter max_position_embeddings "
+                           f"{s.max_position_embeddings} < the target's {t.max_position_embeddings}: beyond that the "
+                           "drafter runs on positions it never saw", about=about))
+    if s.target_architecture and s.target_architecture != t.architecture or (
+            s.target_num_layers and s.target_num_layers != t.num_layers):
+        out.append(finding("warning", "target_differs", f"this drafter was trained on {s.target_architecture} with "
+                           f"{s.target_num_layers} layers; the target is {t.architecture} with {t.num_layers}", about=about))
+    captured: dict[str, list[int]] = {}
+    for e in engines:
+        out += engine_support(s, inv, e, about=about)
+        layers = capture_layers(s, t, e)
+        captured[e] = layers
+        out.append(finding("info", "capture_layers", _explain_capture(s, t, e, layers), engine=e, about=about))
+        bad = [i for i in layers if not 0 <= i < t.num_layers]
+        if bad:
+            out.append(finding("error", "aux_ids_out_of_range", f"captured layers {bad} do not exist in a "
+                               f"{t.num_layers}-layer target", engine=e, about=about))
+        if len(layers) != s.num_aux_layers:
+            out.append(finding("error", "aux_count_mismatch", f"engine feeds {len(layers)} states, fc expects "
+                               f"{s.num_aux_layers}", engine=e, about=about))
+        if s.trained_layers is not None and tuple(layers) != tuple(s.trained_layers):
+            out.append(finding("error", "trained_layers_mismatch", f"trained on layers {list(s.trained_layers)}, "
+                               f"fed {layers}: re-export with `draftport export --target`", engine=e, about=about))
+    if len(captured) == 2 and captured["sglang"] != captured["vllm"] and s.trained_layers is None:
+        out.append(finding("warning", "engines_disagree", f"SGLang feeds layers {captured['sglang']}, vLLM feeds "
+                           f"{captured['vllm']}: the drafter was trained on at most one of them", about=about))
+    return out, captured
+
+
+# ---------------------------------------------------------------------------------------------
+# drafter vs drafter: can `a` replace `b` behind the same target?
+PAIR_VERDICTS = ("drop-in", "warm-start", "partial", "incompatible")  # worst last
+_LEVEL_SEVERITY = {"drop-in": "info", "warm-start": "warning", "partial": "error", "incompatible": "error"}
+# config keys that change what the drafter computes (a difference means warm-start, not drop-in)
+BEHAVIOUR_FIELDS = ("rope_theta", "rope_scaling", "hidden_act", "rms_norm_eps", "fc_norm", "norm_output",
+                    "norm_before_fc", "norm_before_residual")
+# keys that are read into the spec (compared through it) or that only describe the file
+_SPEC_KEYS = {"architectures", "eagle_config", "eagle_aux_hidden_state_layer_ids", "draftport", "transformer_layer_config",
+              "speculators_config", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+              "head_dim", "num_hidden_layers", "vocab_size", "draft_vocab_size", "target_hidden_size", "attention_bias",
+              "mlp_bias", "tie_word_embeddings", *BEHAVIOUR_FIELDS,
+              # how the file is wrapped, not what it holds (the layout difference is judged on tensors)
+              "auto_map", "speculators_model_type", "speculators_version", "has_no_defaults_at_init"}
+# config-only keys worth seeing first when a pair differs in many
+_FIRST = ("max_position_embeddings", "torch_dtype", "transformers_version", "bos_token_id", "eos_token_id")
+
+
+def _config_only_diffs(a: DrafterSpec, b: DrafterSpec) -> list[str]:
+    def flat(s: DrafterSpec) -> dict:
+        d = {k: v for k, v in s.raw.items() if k not in _SPEC_KEYS}
+        inner = s.raw.get("transformer_layer_config")
+        if isinstance(inner, dict):
+            d.update({k: v for k, v in inner.items() if k not in _SPEC_KEYS})
+        d["torch_dtype"] = s.dtype  # `dtype` and `torch_dtype` are one setting under two names
+        d.pop("dtype", None)
+        return d
+
+    fa, fb = flat(a), flat(b)
+    keys = sorted(set(fa) | set(fb), key=lambda k: (_FIRST.index(k) if k in _FIRST else len(_FIRST), k))
+    return [f"{k}: {fa.get(k)!r} vs {fb.get(k)!r}" for k in keys if fa.get(k) != fb.get(k)]
+
+
+def check_drafters(a: DrafterSpec, b: DrafterSpec, *, inv_a: Inventory | None = None, inv_b: Inventory | None = None,
+                   target: TargetSpec | None = None, engines=ENGINES, d2t_a=None, d2t_b=None) -> tuple[str, list[dict], list[str]]:
+    """(verdict, findings, names of trainable tensors that transfer). d2t_*: numpy vectors or None."""
+    out: list[tuple[str, dict]] = []
+
+    def add(level: str, code: str, message: str, engine: str | None = None) -> None:
+        out.append((level, finding(_LEVEL_SEVERITY[level], code, message, engine=engine, about="pair")))
+
+    for attr, why in (("hidden_size", "drafter width"), ("target_hidden_size", "width of the target states fc reads"),
+                      ("vocab_size", "target vocabulary (they cannot sit behind the same target)")):
+        va, vb = getattr(a, attr), getattr(b, attr)
+        if va != vb:
+            add("incompatible", f"{attr}_differs", f"{why}: {va} vs {vb}")
+    if (a.layout == "mla") != (b.layout == "mla"):
+        add("incompatible", "attention_differs", "one drafter uses MLA attention, the other GQA")
+
+    # trainable tensors: real headers when a checkpoint has them, else what the config implies
+    ta = _real_trainable(inv_a) if inv_a is not None and inv_a.has_weights else _expected_trainable(a)
+    tb = _real_trainable(inv_b) if inv_b is not None and inv_b.has_weights else _expected_trainable(b)
+    same = sorted(n for n in ta if n in tb and ta[n].shape == tb[n].shape)
+    differ = sorted(set(ta) ^ set(tb) | {n for n in ta if n in tb and ta[n].shape != tb[n].shape})
+    if differ:
+        detail = [f"{n} {list(ta[n].shape) if n in ta else '-'} vs {list(tb[n].shape) if n in tb else '-'}" for n in differ]
+        if not same:
+            add("incompatible", "no_tensor_transfers", f"no trainable tensor has the same name and shape: {_fmt(detail, 4)}")
+        else:
+            add("partial", "tensors_differ", f"transfer: {_fmt(same, 8)}; do not transfer: {_fmt(detail, 6)}")
+    both_real = inv_a is not None and inv_a.has_weights and inv_b is not None and inv_b.has_weights
+    if both_real:
+        dt = [f"{n} {ta[n].dtype} vs {tb[n].dtype}" for n in same if ta[n].dtype != tb[n].dtype]
+        if dt:
+            add("warm-start", "dtype_differs", f"stored dtypes differ: {_fmt(dt, 4)}")
+
+    for f in BEHAVIOUR_FIELDS:
+        va, vb = getattr(a, f), getattr(b, f)
+        if va != vb:
+            add("warm-start", f"{f}_differs", f"{f}: {va!r} vs {vb!r} (changes what the drafter computes)")
+
+    for e in engines:
+        ca, cb = _capture_or_none(a, target, e), _capture_or_none(b, target, e)
+        ra, rb = engine_raw_ids(a, e), engine_raw_ids(b, e)
+        name = "SGLang" if e == "sglang" else "vLLM"
+        if ca is None or cb is None:
+            if ra != rb:
+                add("warm-start", "aux_layers_unknown", f"raw aux ids {_ids_str(ra)} vs {_ids_str(rb)}: which layers "
+                    f"{name} feeds depends on the target; pass --target", engine=e)
+        elif ca != cb:
+            add("warm-start", "aux_layers_differ", f"{name} feeds layers {ca} vs {cb}", engine=e)
+        elif ra != rb:
+            add("drop-in", "aux_ids_raw_differ", f"raw ids {_ids_str(ra)} vs {_ids_str(rb)} but {name} feeds both "
+                f"layers {ca}", engine=e)
+        sa = [f for f in engine_support(a, inv_a, e) if f["severity"] == "error"]
+        sb = [f for f in engine_support(b, inv_b, e) if f["severity"] == "error"]
+        if bool(sa) != bool(sb):
+            which, why = ("the first", sa[0]) if sa else ("the second", sb[0])
+            add("warm-start", "engine_load_differs", f"{name} loads only one of them; {which} needs converting: "
+                f"{why['message']}", engine=e)
+
+    if a.draft_vocab_size == b.draft_vocab_size and a.draft_vocab_size < a.vocab_size:
+        if d2t_a is not None and d2t_b is not None:
+            if d2t_a.shape != d2t_b.shape or bool((d2t_a != d2t_b).any()):
+                n = int((d2t_a != d2t_b).sum()) if d2t_a.shape == d2t_b.shape else a.draft_vocab_size
+                add("warm-start", "vocab_mapping_differs", f"d2t differs at {n} of {a.draft_vocab_size} draft ids: "
+                    "lm_head rows need a remap (draftport vocab.remap_lm_head)")
+        elif both_real:
+            add("warm-start", "vocab_mapping_unknown", "d2t missing from a checkpoint: the vocab mappings cannot be compared")
+        else:
+            add("drop-in", "vocab_mapping_unchecked", "d2t not compared: at least one drafter has no weights here")
+
+    diffs = _config_only_diffs(a, b)
+    if diffs:
+        add("drop-in", "config_only_differs", f"config-only differences: {'; '.join(diffs[:8])}"
+            + (f" and {len(diffs) - 8} more" if len(diffs) > 8 else ""))
+    verdict = max((lvl for lvl, _ in out), key=PAIR_VERDICTS.index, default="drop-in")
+    return verdict, [f for _, f in out], same
+
+
+def _ids_str(ids) -> str:
+    return "none (engine default)" if ids is None else str(list(ids))
+
+
+# ---------------------------------------------------------------------------------------------
+# `draftport check`
+@dataclass
+class CheckConfig:
+    drafter: str                 # drafter directory, its config.json, or one .safetensors file beside a config.json
+    other: str | None = None     # a second drafter: can `drafter` replace it behind the same target?
+    target: str | None = None    # target dir, config.json, .gguf, or `gemma-3-270m`
+    engine: str = "both"         # sglang | vllm | both: whose loading and aux-id rules to apply
+    json: bool = False           # print one JSON object on stdout instead of tables
+
+
+def _load_drafter(path: str) -> tuple[DrafterSpec, Inventory]:
+    """A drafter argument -> (spec, inventory of its weights). Pickles are refused, never opened."""
+    if os.path.isfile(path) and path.endswith(PICKLE_SUFFIXES):
+        raise bad_input(path, "is a pickle file; draftport never unpickles weights (convert them to safetensors and "
+                              "pass the drafter directory)")
+    if os.path.isfile(path) and path.endswith(".safetensors"):
+        config, weights = os.path.join(os.path.dirname(path) or ".", "config.json"), path
+        if not os.path.isfile(config):
+            raise bad_input(path, "no config.json beside this safetensors file")
+    else:
+        config = path
+        weights = path if os.path.isdir(path) else (os.path.dirname(path) or ".")
+    spec = load_drafter_spec(config)
+    return spec, read_inventory(weights)
+
+
+def _worst_exit(*verdicts: str | None) -> int:
+    return 1 if any(v in ("partial", "incompatible", "invalid") for v in verdicts) else 0
+
+
+def run_check(cfg: CheckConfig) -> dict:
+    """Everything `check` reports, as the JSON object `--json` prints."""
+    if cfg.engine not in ENGINES + ("both",):
+        raise bad_input(None, f"unknown engine {cfg.engine!r}")
+    engines = ENGINES if cfg.engine == "both" else (cfg.engine,)
+    a, inv_a = _load_drafter(cfg.drafter)
+    nbytes = a.bytes_read + inv_a.bytes_read
+    findings = check_drafter(a, inv_a, "drafter")
+    result: dict = {"drafter": cfg.drafter}
+    b = inv_b = target = None
+    if cfg.other is not None:
+        b, inv_b = _load_drafter(cfg.other)
+        nbytes += b.bytes_read + inv_b.bytes_read
+        findings += check_drafter(b, inv_b, "other")
+        result["other"] = cfg.other
+    if cfg.target is not None:
+        target = load_target_spec(cfg.target)
+        nbytes += target.bytes_read
+        result["target"] = cfg.target
+    structural = any(f["severity"] == "error" for f in findings if f.get("about") == "drafter")
+
+    if b is not None:
+        d2t_a = d2t_b = None
+        if "d2t" in inv_a.tensors and "d2t" in inv_b.tensors:  # the only tensor data check ever reads
+            d2t_a, d2t_b = read_d2t(inv_a.source, inv_a), read_d2t(inv_b.source, inv_b)
+            nbytes += d2t_a.nbytes + d2t_b.nbytes
+        verdict, pair, same = check_drafters(a, b, inv_a=inv_a, inv_b=inv_b, target=target, engines=engines,
+                                             d2t_a=d2t_a, d2t_b=d2t_b)
+        findings += pair
+        result["verdict"] = verdict
+        result["transferable_tensors"] = same
+    if target is not None:
+        tf, captured = check_target(a, inv_a, target, engines)
+        findings += tf
+        per_engine = {e: "incompatible" if structural or any(
+            f["severity"] == "error" and f.get("engine") in (None, e) for f in tf) else "compatible" for e in engines}
+        result["target_verdict"] = "incompatible" if "incompatible" in per_engine.values() else "compatible"
+        result["engine_verdicts"] = per_engine
+        result["capture_layers"] = captured
+        result.setdefault("verdict", result["target_verdict"])
+    if b is None and target is None:
+        for e in engines:  # without a target, what an engine cannot load is advice, not a verdict
+            findings += [dict(f, severity="warning") for f in engine_support(a, inv_a, e)]
+        result["verdict"] = "invalid" if structural else "valid"
+    result["findings"] = findings
+    result["bytes_read"] = int(nbytes)
+    return {"verdict": result.pop("verdict"), **result}
+
+
+_STYLE = {"error": "bold red", "warning": "yellow", "info": "dim"}
+
+
+def render(result: dict) -> None:
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    console = Console()
+    ok = _worst_exit(result["verdict"], result.get("target_verdict")) == 0
+    line = f"verdict: [bold {'green' if ok else 'red'}]{result['verdict']}[/]"
+    if "target_verdict" in result and "other" in result:
+        line += f"   target: [bold]{result['target_verdict']}[/]"
+    console.print(line)
+    if result.get("engine_verdicts"):
+        console.print("engines: " + ", ".join(f"{e} {v}" for e, v in result["engine_verdicts"].items()))
+    if result.get("capture_layers"):
+        console.print("layers captured: " + ", ".join(f"{e} {ids}" for e, ids in result["capture_layers"].items()))
+    show_engine = any("engine" in f for f in result["findings"])
+    show_about = "other" in result  # only two drafters make "which one" a question
+    table = Table(show_header=True, header_style="bold", box=None, pad_edge=False)
+    table.add_column("severity", no_wrap=True)
+    table.add_column("code", no_wrap=True)
+    if show_engine:
+        table.add_column("engine", no_wrap=True)
+    if show_about:
+        table.add_column("about", no_wrap=True)
+    table.add_column("message", overflow="fold", ratio=1)
+    order = {"error": 0, "warning": 1, "info": 2}
+    for f in sorted(result["findings"], key=lambda f: order[f["severity"]]):
+        row = [f"[{_STYLE[f['severity']]}]{f['severity']}[/]", f["code"]]
+        row += [f.get("engine", "")] if show_engine else []
+        row += [f.get("about", "")] if show_about else []
+        table.add_row(*row, escape(f["message"]))  # messages quote config values: text, never rich markup
+    if result["findings"]:
+        console.print(table)
+    console.print(f"[dim]{result['bytes_read']} bytes read[/]")
+
+
+def main(cfg: CheckConfig) -> int:
+    result = run_check(cfg)
+    if cfg.json:
+        print(json.dumps(result))
+    else:
+        render(result)
+    return _worst_exit(result["verdict"], result.get("target_verdict"))

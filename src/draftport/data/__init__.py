@@ -1,0 +1,1 @@
+"""data: conversations, chat templates and prompts, and the on-disk hidden-state store."""

@@ -1,0 +1,550 @@
+"""The hidden-state capture store: safetensors shards + a manifest that is the commit point.
+
+Layout of a store directory (docs/internals.md, "store.py / capture.py"):
+
+    manifest.json              format, version, num_samples, num_tokens, complete, shards[], config{}
+    shard-00000.safetensors    samples [start, end) of the store, flattened over tokens:
+        offsets     int64 [n+1]       sample j of the shard is rows offsets[j]:offsets[j+1]
+        input_ids   int32 [N]
+        aux         bf16  [N, n_aux·H] residual streams entering the aux layers, concat low→high
+        last_hidden bf16  [N, H]       the target's last hidden state after its final norm
+        loss_mask   uint8 [N]          1 on assistant tokens
+
+A shard is written under a temporary name, fsynced, renamed, and only then listed in the manifest
+(itself written atomically). A shard file the manifest does not list is garbage from a killed run:
+`StoreWriter` deletes it on resume. Readers trust nothing: the manifest's structure and counts and
+every shard's header bounds are checked on open, checksums on request (`Store.verify`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+import struct
+import tempfile
+import threading
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+import torch
+
+from draftport.errors import DraftportError, bad_input, disk_full, is_disk_full
+from draftport.check.inventory import check_coverage, parse_header_json
+from draftport.safeio import atomic_write_json, read_json
+
+FORMAT = "draftport-store"
+VERSION = 1
+MANIFEST = "manifest.json"
+SHARD_RE = re.compile(r"^shard-\d{5,}\.safetensors$")
+MAX_HEADER_BYTES = 1 << 20  # our headers hold five tensors; anything bigger was not written by us
+_UMASK = os.umask(0)
+os.umask(_UMASK)
+
+# name -> (safetensors dtype, numpy dtype used to read it, torch dtype it is returned as)
+_DTYPES = {"I64": (np.int64, 8), "I32": (np.int32, 4), "BF16": (np.uint16, 2), "U8": (np.uint8, 1)}
+# written in this order so every tensor starts aligned to its element size
+_LAYOUT = (("offsets", "I64"), ("input_ids", "I32"), ("aux", "BF16"), ("last_hidden", "BF16"), ("loss_mask", "U8"))
+
+
+def bytes_per_token(num_aux: int, hidden_size: int) -> int:
+    """Disk bytes per captured token: bf16 aux (n·H) + bf16 last hidden (H) + int32 id + uint8 mask."""
+    return 2 * (num_aux + 1) * hidden_size + 5
+
+
+def _readable(path: str) -> None:
+    """mkstemp makes files private (0600); a store is data like any other file, readable per the umask."""
+    os.chmod(path, 0o666 & ~_UMASK)
+
+
+def shard_name(index: int) -> str:
+    return f"shard-{index:05d}.safetensors"
+
+
+# ----------------------------------------------------------------------------------------- writing
+
+def write_shard(path: str, samples: Sequence[dict], start: int) -> dict:
+    """Write samples (dicts of input_ids[T], loss_mask[T], aux[T,A], last_hidden[T,H]) as one shard.
+
+    Streams each tensor sample by sample (no shard-sized concatenation), hashing as it writes;
+    temp name + fsync + rename, so the final name only ever holds a complete file.
+    Returns the manifest entry {file, start, end, num_tokens, bytes, sha256}.
+    """
+    if not samples:
+        raise ValueError("a shard needs at least one sample")
+    lengths = [int(s["input_ids"].shape[0]) for s in samples]
+    n_tok = sum(lengths)
+    aux_w = int(samples[0]["aux"].shape[-1])
+    hid_w = int(samples[0]["last_hidden"].shape[-1])
+    shapes = {"offsets": [len(samples) + 1], "input_ids": [n_tok], "aux": [n_tok, aux_w],
+              "last_hidden": [n_tok, hid_w], "loss_mask": [n_tok]}
+    header: dict[str, Any] = {"__metadata__": {"format": "pt", "draftport_store": str(VERSION),
+                                               "start": str(start), "end": str(start + len(samples))}}
+    pos = 0
+    for name, dt in _LAYOUT:
+        nbytes = math.prod(shapes[name]) * _DTYPES[dt][1]
+        header[name] = {"dtype": dt, "shape": shapes[name], "data_offsets": [pos, pos + nbytes]}
+        pos += nbytes
+    hbytes = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    hbytes += b" " * (-(8 + len(hbytes)) % 8)  # pad so the data section starts 8-aligned
+
+    offsets = torch.tensor([0] + list(np.cumsum(lengths)), dtype=torch.int64)
+
+    def chunks(name: str) -> Iterator[torch.Tensor]:
+        if name == "offsets":
+            yield offsets
+            return
+        for s in samples:
+            t = s[name]
+            if name == "input_ids":
+                t = torch.as_tensor(t).to(torch.int32)
+            elif name == "loss_mask":
+                t = torch.as_tensor(t).to(torch.uint8)
+            else:
+                t = t.to(torch.bfloat16)
+            yield t.detach().cpu().contiguous()
+
+    dirname = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".partial", dir=dirname)
+    h = hashlib.sha256()
+    try:
+        with os.fdopen(fd, "wb") as f:
+            for block in (struct.pack("<Q", len(hbytes)), hbytes):
+                f.write(block)
+                h.update(block)
+            for name, _ in _LAYOUT:
+                for t in chunks(name):
+                    if t.numel() == 0:
+                        continue
+                    mv = memoryview(t.reshape(-1).view(torch.uint8).numpy())
+                    f.write(mv)
+                    h.update(mv)
+            f.flush()
+            os.fsync(f.fileno())
+        _readable(tmp)
+        os.replace(tmp, path)
+    except BaseException as exc:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        if is_disk_full(exc):
+            raise disk_full(path, "this shard") from exc
+        raise
+    return {"file": os.path.basename(path), "start": start, "end": start + len(samples), "num_tokens": n_tok,
+            "bytes": 8 + len(hbytes) + pos, "sha256": h.hexdigest()}
+
+
+class StoreWriter:
+    """Appends shards to a store directory and commits each by rewriting the manifest.
+
+    `config` is saved in the manifest; on resume, the keys in `identity` must equal the saved ones
+    (else a one-line error suggesting --restart). Shards are written by `max_in_flight` background
+    threads (sha256 runs at about 1 GB/s a core, so one thread cannot keep a fast disk busy) while
+    the device computes the next ones; they commit strictly in order: the manifest only ever lists a
+    contiguous prefix, so a shard finished ahead of an unfinished earlier one is garbage on a kill.
+    """
+
+    def __init__(self, path: str, config: dict, *, identity: Sequence[str] = (), restart: bool = False,
+                 max_in_flight: int = 3):
+        self.path = os.fspath(path)
+        os.makedirs(self.path, exist_ok=True)
+        manifest_path = os.path.join(self.path, MANIFEST)
+        if restart:
+            clear_store(self.path)
+        if os.path.exists(manifest_path):
+            old = _check_manifest(read_json(manifest_path), manifest_path)
+            mismatch = config_mismatch(old["config"], config, identity)
+            if mismatch:
+                raise DraftportError(f"holds a capture made with a different config ({mismatch}); "
+                                     "rerun with --restart to start over, or use another --out", self.path)
+            Store(self.path)  # every committed shard must still be there, whole (sizes and headers)
+            self.shards = list(old["shards"])
+        else:
+            self.shards = []
+        self.config = dict(config)
+        self.resumed_samples = self.num_samples
+        _remove_garbage(self.path, {s["file"] for s in self.shards})
+        self._commit(complete=False)
+        self.max_in_flight = max(1, int(max_in_flight))
+        self._pool = ThreadPoolExecutor(max_workers=self.max_in_flight, thread_name_prefix="draftport-store")
+        self._lock = threading.Lock()
+        self._in_flight: deque[Future] = deque()
+        self._finished: dict[int, dict] = {}  # shard index -> entry, written but waiting for an earlier one
+        self._next_index = len(self.shards)
+        self._submitted = self.num_samples
+
+    @property
+    def num_samples(self) -> int:
+        return self.shards[-1]["end"] if self.shards else 0
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s["num_tokens"] for s in self.shards)
+
+    @property
+    def bytes(self) -> int:
+        return sum(s["bytes"] for s in self.shards)
+
+    def _commit(self, complete: bool) -> None:
+        path = os.path.join(self.path, MANIFEST)
+        try:
+            atomic_write_json(path, {
+                "format": FORMAT, "version": VERSION, "num_samples": self.num_samples, "num_tokens": self.num_tokens,
+                "complete": complete, "shards": self.shards, "config": self.config})
+        except OSError as exc:  # the old manifest stays in place: it lists only whole shards
+            if is_disk_full(exc):
+                raise disk_full(path, "the manifest") from exc
+            raise
+        _readable(path)  # after the rename: a reader never sees a manifest that is not whole
+
+    def _write(self, samples: Sequence[dict], start: int, index: int) -> None:
+        entry = write_shard(os.path.join(self.path, shard_name(index)), samples, start)
+        with self._lock:
+            self._finished[index] = entry
+            if len(self.shards) not in self._finished:
+                return
+            while len(self.shards) in self._finished:
+                self.shards.append(self._finished.pop(len(self.shards)))
+            self._commit(complete=False)  # the commit point of these shards
+
+    def submit(self, samples: Sequence[dict]) -> None:
+        """Queue the next shard (samples in store order); blocks while max_in_flight writes are running."""
+        while len(self._in_flight) >= self.max_in_flight:
+            self._in_flight.popleft().result()
+        start, index = self._submitted, self._next_index
+        self._submitted += len(samples)
+        self._next_index += 1
+        self._in_flight.append(self._pool.submit(self._write, list(samples), start, index))
+
+    def flush(self) -> None:
+        """Wait for every write in flight; re-raises the first error in the caller's thread."""
+        error = None
+        while self._in_flight:
+            try:
+                self._in_flight.popleft().result()
+            except BaseException as exc:  # keep waiting: the others may still commit
+                error = error or exc
+        if error is not None:
+            raise error
+
+    def finish(self) -> None:
+        """Flush, mark the manifest complete, stop the writer threads."""
+        self.flush()
+        self._commit(complete=True)
+        self._pool.shutdown()
+
+    def close(self) -> None:
+        """Stop without marking complete (after an error); finished writes stay committed."""
+        try:
+            self.flush()
+        finally:
+            self._pool.shutdown()
+
+
+def config_mismatch(old: dict, new: dict, keys: Sequence[str]) -> str | None:
+    """'key: old → new' for the first identity key that differs, else None."""
+    for k in keys:
+        if old.get(k) != new.get(k):
+            return f"{k}: {old.get(k)!r} now {new.get(k)!r}"
+    return None
+
+
+def _remove_garbage(path: str, keep: set[str]) -> None:
+    for name in os.listdir(path):
+        if (SHARD_RE.match(name) and name not in keep) or (name.startswith(".tmp-") and name.endswith(".partial")):
+            os.unlink(os.path.join(path, name))
+
+
+def clear_store(path: str) -> None:
+    """Delete the store files in `path` (manifest, shards, temporaries) and nothing else."""
+    if not os.path.isdir(path):
+        return
+    manifest = os.path.join(path, MANIFEST)
+    if os.path.exists(manifest):
+        os.unlink(manifest)
+    _remove_garbage(path, keep=set())
+
+
+# ----------------------------------------------------------------------------------------- reading
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _check_manifest(m: dict, where: str) -> dict:
+    """Structure and counts of a manifest; returns it. Every problem is one line naming `where`."""
+    if m.get("format") != FORMAT:
+        raise bad_input(where, f"not a draftport store manifest (format {m.get('format')!r})")
+    if not _is_int(m.get("version")) or m["version"] > VERSION or m["version"] < 1:
+        raise bad_input(where, f"store version {m.get('version')!r} is not one this draftport reads (≤ {VERSION})")
+    for key in ("num_samples", "num_tokens"):
+        if not _is_int(m.get(key)) or m[key] < 0:
+            raise bad_input(where, f"'{key}' must be a non-negative integer")
+    if not isinstance(m.get("shards"), list) or not isinstance(m.get("config"), dict):
+        raise bad_input(where, "'shards' must be a list and 'config' an object")
+    cfg = m["config"]
+    if not _is_int(cfg.get("hidden_size")) or cfg["hidden_size"] < 1:
+        raise bad_input(where, "config.hidden_size must be a positive integer")
+    aux = cfg.get("aux_layers")
+    if not isinstance(aux, list) or not aux or not all(_is_int(a) for a in aux):
+        raise bad_input(where, "config.aux_layers must be a non-empty list of integers")
+    pos, tokens = 0, 0
+    for i, s in enumerate(m["shards"]):
+        if not isinstance(s, dict):
+            raise bad_input(where, f"shard entry {i} is not an object")
+        if not isinstance(s.get("file"), str) or not SHARD_RE.match(s["file"]):
+            raise bad_input(where, f"shard entry {i} has a bad file name {s.get('file')!r}")
+        if not all(_is_int(s.get(k)) and s[k] >= 0 for k in ("start", "end", "num_tokens", "bytes")):
+            raise bad_input(where, f"shard entry {i} needs non-negative integers start, end, num_tokens, bytes")
+        if s["start"] != pos or s["end"] <= s["start"]:
+            raise bad_input(where, f"shard {s['file']} covers samples [{s['start']}, {s['end']}) but should start at {pos}")
+        if not isinstance(s.get("sha256"), str) or not re.fullmatch(r"[0-9a-f]{64}", s["sha256"]):
+            raise bad_input(where, f"shard {s['file']} has no valid sha256")
+        pos, tokens = s["end"], tokens + s["num_tokens"]
+    if pos != m["num_samples"] or tokens != m["num_tokens"]:
+        raise bad_input(where, f"shards hold {pos} samples / {tokens} tokens but the manifest says "
+                               f"{m['num_samples']} / {m['num_tokens']}")
+    return m
+
+
+def read_shard_header(path: str) -> tuple[dict[str, tuple[str, list[int], int, int]], dict]:
+    """Parse and bounds-check a safetensors header: {name: (dtype, shape, abs_begin, abs_end)}, metadata.
+    The tensors must tile the data section exactly, as the safetensors library requires (the
+    training path opens shards with safetensors itself)."""
+    out, meta, data_start, data_len = _parse_shard_header(path)
+    _check_tiling(path, out, data_start, data_len)
+    return out, meta
+
+
+def _check_tiling(path: str, tensors: dict, data_start: int, data_len: int) -> None:
+    check_coverage(path, [(v[2] - data_start, v[3] - data_start, k) for k, v in tensors.items()], data_len)
+
+
+def _parse_shard_header(path: str) -> tuple[dict[str, tuple[str, list[int], int, int]], dict, int, int]:
+    """read_shard_header without the tiling check: (tensors, metadata, data start, data length)."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise bad_input(path, "too short to be a safetensors file")
+        (n,) = struct.unpack("<Q", head)
+        if n < 2 or n > MAX_HEADER_BYTES or 8 + n > size:
+            raise bad_input(path, f"safetensors header length {n} is out of bounds (file is {size} bytes)")
+        raw = f.read(n)
+    header = parse_header_json(raw, path)  # strict JSON, one object: what the safetensors library reads
+    meta = header.pop("__metadata__", None)
+    meta = {} if meta is None else meta  # null is what safetensors takes for "none"; [] or "" it refuses
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise bad_input(path, "safetensors __metadata__ must map names to strings")
+    data_len = size - 8 - n
+    out = {}
+    for name, info in header.items():
+        ok = (isinstance(info, dict) and isinstance(info.get("dtype"), str) and info["dtype"] in _DTYPES
+              and isinstance(info.get("shape"), list)
+              and all(_is_int(d) and d >= 0 for d in info["shape"]) and isinstance(info.get("data_offsets"), list)
+              and len(info["data_offsets"]) == 2 and all(_is_int(o) for o in info["data_offsets"]))
+        if not ok:
+            raise bad_input(path, f"tensor {name!r} has a malformed header entry")
+        b, e = info["data_offsets"]
+        if not 0 <= b <= e <= data_len or e - b != math.prod(info["shape"]) * _DTYPES[info["dtype"]][1]:
+            raise bad_input(path, f"tensor {name!r} data offsets [{b}, {e}] are out of bounds or do not match its shape")
+        out[name] = (info["dtype"], info["shape"], 8 + n + b, 8 + n + e)
+    return out, meta, 8 + n, data_len
+
+
+class _Shard:
+    """One shard's validated layout; the memory map opens lazily (and is not pickled to workers)."""
+
+    def __init__(self, path: str, entry: dict, aux_width: int, hidden: int):
+        self.path, self.entry = path, entry
+        if not os.path.isfile(path):
+            raise bad_input(path, "shard listed in the manifest is missing")
+        if os.path.getsize(path) != entry["bytes"]:
+            raise bad_input(path, f"shard is {os.path.getsize(path)} bytes, the manifest says {entry['bytes']} "
+                                  "(truncated or modified)")
+        self.tensors, _, data_start, data_len = _parse_shard_header(path)
+        n, n_tok = entry["end"] - entry["start"], entry["num_tokens"]
+        want = {"offsets": ("I64", [n + 1]), "input_ids": ("I32", [n_tok]), "loss_mask": ("U8", [n_tok]),
+                "aux": ("BF16", [n_tok, aux_width]), "last_hidden": ("BF16", [n_tok, hidden])}
+        for name, (dt, shape) in want.items():
+            got = self.tensors.get(name)
+            if got is None or got[0] != dt or got[1] != shape:
+                have = "missing" if got is None else f"{got[0]} {got[1]}"
+                raise bad_input(path, f"tensor {name!r} should be {dt} {shape}, found {have}")
+        _check_tiling(path, self.tensors, data_start, data_len)  # after naming what is missing: clearer
+        self._mm: np.ndarray | None = None
+        self.offsets = self._array("offsets").copy()
+        # compared, not subtracted: np.diff wraps around on hostile int64 values
+        if self.offsets[0] != 0 or self.offsets[-1] != n_tok or np.any(self.offsets[1:] <= self.offsets[:-1]):
+            raise bad_input(path, "sample offsets are not increasing from 0 to the token count")
+
+    def _array(self, name: str) -> np.ndarray:
+        if self._mm is None:
+            self._mm = np.memmap(self.path, dtype=np.uint8, mode="r")
+        dt, shape, b, e = self.tensors[name]
+        return self._mm[b:e].view(_DTYPES[dt][0]).reshape(shape)
+
+    def rows(self, name: str, a: int, b: int) -> torch.Tensor:
+        t = torch.from_numpy(np.array(self._array(name)[a:b]))  # copy out of the read-only map
+        return t.view(torch.bfloat16) if self.tensors[name][0] == "BF16" else t
+
+    def __getstate__(self):
+        return {**self.__dict__, "_mm": None}
+
+
+class Store:
+    """Read a capture store: random access by sample, seeded batch order, sample-range views.
+
+    `store[i]` -> {"input_ids": int64 [T], "loss_mask": bool [T], "aux": bf16 [T, n·H],
+    "last_hidden": bf16 [T, H], "index": i}. Indices are relative to this view; `view(a, b)` and
+    `rank_view(r, world)` give sub-ranges sharing the same files. Opening checks the manifest and
+    every shard header; `verify=True` (or `.verify()`) also checks the sha256 of every shard.
+    """
+
+    def __init__(self, path: str, *, verify: bool = False):
+        self.path = os.fspath(path)
+        if not os.path.isdir(self.path):
+            raise bad_input(self.path, "no such capture store directory")
+        mpath = os.path.join(self.path, MANIFEST)
+        self.manifest = _check_manifest(read_json(mpath), mpath)
+        self.config: dict = self.manifest["config"]
+        self.hidden_size = int(self.config["hidden_size"])
+        self.aux_layers = list(self.config["aux_layers"])
+        aux_w = len(self.aux_layers) * self.hidden_size
+        self._shards = [_Shard(os.path.join(self.path, s["file"]), s, aux_w, self.hidden_size)
+                        for s in self.manifest["shards"]]
+        self._starts = np.array([s["start"] for s in self.manifest["shards"]], dtype=np.int64)
+        all_lengths = (np.concatenate([np.diff(s.offsets) for s in self._shards]) if self._shards
+                       else np.zeros(0, dtype=np.int64))
+        self._all_lengths = all_lengths
+        self._lo, self._hi = 0, len(all_lengths)
+        if verify:
+            self.verify()
+
+    # -- the view
+    def __len__(self) -> int:
+        return self._hi - self._lo
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """Tokens per sample of this view, int64 [len]."""
+        return self._all_lengths[self._lo:self._hi]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.lengths.sum())
+
+    @property
+    def complete(self) -> bool:
+        return bool(self.manifest.get("complete", False))
+
+    def view(self, start: int, end: int) -> "Store":
+        """Samples [start, end) of this view, as a Store sharing the same open shards."""
+        if not 0 <= start <= end <= len(self):
+            raise IndexError(f"view [{start}, {end}) outside a store of {len(self)} samples")
+        v = object.__new__(Store)
+        v.__dict__.update(self.__dict__)
+        v._lo, v._hi = self._lo + start, self._lo + end
+        return v
+
+    def rank_view(self, rank: int, world_size: int) -> "Store":
+        """Contiguous 1/world_size of this view for data-parallel rank `rank` (sizes differ by ≤ 1)."""
+        bounds = np.linspace(0, len(self), world_size + 1).round().astype(int)
+        return self.view(int(bounds[rank]), int(bounds[rank + 1]))
+
+    def __getitem__(self, i: int) -> dict:
+        if not -len(self) <= i < len(self):
+            raise IndexError(f"sample {i} outside a store of {len(self)} samples")
+        g = self._lo + (i % len(self))
+        k = int(np.searchsorted(self._starts, g, side="right")) - 1
+        sh = self._shards[k]
+        j = g - sh.entry["start"]
+        a, b = int(sh.offsets[j]), int(sh.offsets[j + 1])
+        return {"input_ids": sh.rows("input_ids", a, b).long(), "loss_mask": sh.rows("loss_mask", a, b).bool(),
+                "aux": sh.rows("aux", a, b), "last_hidden": sh.rows("last_hidden", a, b), "index": i % len(self)}
+
+    # -- integrity
+    def view_shards(self) -> list[int]:
+        """Indices of the shards that hold this view's samples."""
+        return [k for k, sh in enumerate(self._shards) if sh.entry["start"] < self._hi and sh.entry["end"] > self._lo]
+
+    def shard_matches(self, k: int) -> bool:
+        """Shard k's bytes against its sha256 in the manifest."""
+        from draftport.safeio import sha256_file
+
+        return sha256_file(self._shards[k].path) == self._shards[k].entry["sha256"]
+
+    def corrupt_shard_error(self, k: int) -> DraftportError:
+        return bad_input(self._shards[k].path, "sha256 does not match the manifest (shard corrupted or modified); "
+                                               "capture it again with --restart")
+
+    def verify(self, progress: Any = None) -> None:
+        """Check every shard's sha256 against the manifest; a mismatch names the shard."""
+        for k, sh in enumerate(self._shards):
+            if not self.shard_matches(k):
+                raise self.corrupt_shard_error(k)
+            if progress is not None:
+                progress(sh.entry["bytes"])
+
+    # -- batching
+    def order(self, seed: int, epoch: int = 0, shuffle: bool = True) -> np.ndarray:
+        """Sample order of one epoch: a permutation seeded by (seed, epoch), or 0..len-1."""
+        return sample_order(len(self), seed=seed, epoch=epoch, shuffle=shuffle)
+
+    def iter_batches(self, batch_size: int, *, seed: int = 0, epoch: int = 0, shuffle: bool = True,
+                     drop_last: bool = False, rank: int = 0, world_size: int = 1, start_batch: int = 0,
+                     pad_id: int = 0) -> Iterator[dict]:
+        """Padded batches (see `collate`) of one epoch for `rank`; `start_batch` skips ahead (resume)."""
+        batches = batch_indices(len(self), batch_size, seed=seed, epoch=epoch, shuffle=shuffle,
+                                drop_last=drop_last, rank=rank, world_size=world_size)
+        for idx in batches[start_batch:]:
+            yield collate([self[int(i)] for i in idx], pad_id=pad_id)
+
+
+def sample_order(n: int, *, seed: int, epoch: int = 0, shuffle: bool = True) -> np.ndarray:
+    if not shuffle:
+        return np.arange(n, dtype=np.int64)
+    return np.random.default_rng([seed, epoch]).permutation(n).astype(np.int64)
+
+
+def batch_indices(n: int, batch_size: int, *, seed: int, epoch: int = 0, shuffle: bool = True,
+                  drop_last: bool = False, rank: int = 0, world_size: int = 1) -> list[np.ndarray]:
+    """This rank's sample indices per step of one epoch.
+
+    The epoch's order is cut into global batches of batch_size·world_size and rank r takes the r-th
+    slice of each, so N ranks see together exactly what one process with the global batch sees.
+    A last partial global batch is split evenly across ranks, or dropped when `drop_last` or when it
+    cannot give every rank a sample (every rank must take the same number of steps).
+    """
+    if batch_size < 1 or world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"bad batching: batch_size={batch_size}, rank={rank}, world_size={world_size}")
+    order = sample_order(n, seed=seed, epoch=epoch, shuffle=shuffle)
+    g = batch_size * world_size
+    out = [order[s + rank * batch_size: s + (rank + 1) * batch_size] for s in range(0, n - g + 1, g)]
+    rest = order[(n // g) * g:]
+    if len(rest) and not drop_last and len(rest) >= world_size:
+        out.append(np.array_split(rest, world_size)[rank])
+    return out
+
+
+def collate(samples: Sequence[dict], pad_id: int = 0) -> dict:
+    """Right-pad samples to the longest: input_ids long [B,T], loss_mask / attention_mask bool [B,T],
+    aux bf16 [B,T,n·H], last_hidden bf16 [B,T,H], lengths long [B], index long [B]. Padding is 0 and
+    masked out by both masks."""
+    lens = [int(s["input_ids"].shape[0]) for s in samples]
+    B, T = len(samples), max(lens)
+    first = samples[0]
+    ids = torch.full((B, T), pad_id, dtype=torch.long)
+    loss = torch.zeros(B, T, dtype=torch.bool)
+    attn = torch.zeros(B, T, dtype=torch.bool)
+    aux = torch.zeros(B, T, first["aux"].shape[-1], dtype=first["aux"].dtype)
+    last = torch.zeros(B, T, first["last_hidden"].shape[-1], dtype=first["last_hidden"].dtype)
+    for b, (s, n) in enumerate(zip(samples, lens)):
+        ids[b, :n], loss[b, :n], attn[b, :n] = s["input_ids"], s["loss_mask"], True
+        aux[b, :n], last[b, :n] = s["aux"], s["last_hidden"]
+    return {"input_ids": ids, "loss_mask": loss, "attention_mask": attn, "aux": aux, "last_hidden": last,
+            "lengths": torch.tensor(lens, dtype=torch.long),
+            "index": torch.tensor([int(s.get("index", -1)) for s in samples], dtype=torch.long)}

@@ -1,0 +1,1 @@
+"""decode: lossless speculative decoding (engine, sampling, offline replay) and its eval/generate verbs."""

@@ -1,0 +1,727 @@
+"""Speculative decoding: an HF target and an EAGLE-3 drafter, chain or EAGLE-2 tree, lossless.
+
+The shape follows gpt-fast: every KV cache (target and drafter) is allocated once and written by
+position, so rejected drafts are simply overwritten next cycle — there is no rollback code. A cycle:
+
+    draft   the drafter re-reads the target's aux states of what the last cycle accepted (one
+            "extend" step over depth+1 rows), then proposes a chain d_1..d_k (one token a step) or
+            grows a dynamic tree (K tokens a step, EAGLE-2) — all into its static cache;
+    verify  one target pass over [x_n, drafts] at RoPE positions n + depth, KV written to slots
+            n.., with a custom 4D mask (chain: causal; tree: ancestors), sliding-window layers
+            getting a full-length cache and the window applied in the mask;
+    accept  sampling.py's greedy or lossless rule; for a tree, the accepted nodes' KV entries are
+            copied to slots n+1.. in order. One device→host copy per cycle returns what was emitted.
+
+The target is driven through HF's own forward (any decoder-only model target.py loads): an HF
+`Cache` whose layers write at the slots we choose, position_ids we choose, and a prepared 4D mask
+(or a {layer type: mask} dict for models with sliding layers), which HF's mask builders pass through
+unchanged. On CUDA the verify pass and the draft steps replay from CUDA graphs (greedy cycles after
+the first replay their whole draft phase as one graph); on CPU they run eagerly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import inspect
+import time
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from draftport.decode import sampling
+from draftport.model.fusion import FusedTarget
+from draftport.errors import DraftportError
+
+
+# ---------------------------------------------------------------------------------------------
+# Configuration and results
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class EngineConfig:
+    depth: int | None = None             # k: drafter steps per cycle (default: chain 3, tree 5)
+    topk: int = 1                        # 1 = chain; K > 1 = EAGLE-2 dynamic tree with K children a node
+    num_draft_tokens: int | None = None  # tree: nodes verified per cycle, root included (default 8)
+    temperature: float = 0.0             # 0 = greedy; otherwise the warp applied to target and drafter
+    top_p: float = 1.0                   # nucleus warp, applied with the temperature
+    max_len: int = 2048                  # cache slots (prompt + new tokens + one cycle's drafts)
+    use_cuda_graphs: bool | None = None  # None: True on CUDA, False on CPU
+    seed: int = 0                        # seeds the engine's torch.Generator (sampling only)
+    aux_layers: list[int] | None = None  # target layers fed to the drafter (default: what it was trained on)
+    fuse: bool | None = None             # compiled norms / rotary in the target pass (None: on CUDA); fusion.py
+    sdpa: str = "auto"                   # target attention kernel: auto (graphed passes time each) | default |
+                                         # efficient | math | cudnn
+    graph_draft_phase: bool = True       # with CUDA graphs: a cycle's whole draft phase (extend, steps, tree
+                                         # bookkeeping) as one graph, not one per drafter step (greedy only)
+
+    @property
+    def is_tree(self) -> bool:
+        return self.topk > 1
+
+    def resolved(self) -> "EngineConfig":
+        """Defaults of design.md §2 filled in, and the values checked."""
+        depth = self.depth if self.depth is not None else (5 if self.is_tree else 3)
+        nodes = self.num_draft_tokens if self.num_draft_tokens is not None else (8 if self.is_tree else depth + 1)
+        if self.topk < 1 or depth < 1:
+            raise DraftportError(f"--topk and --depth must be >= 1 (got topk {self.topk}, depth {depth})")
+        if self.is_tree:
+            most = 1 + self.topk + (depth - 1) * self.topk ** 2
+            if not 2 <= nodes <= most:
+                raise DraftportError(f"--num-draft-tokens {nodes} is out of range for topk {self.topk}, depth "
+                                     f"{depth}: a tree verifies 2..{most} nodes (root included)")
+        elif nodes != depth + 1:
+            raise DraftportError(f"a chain of depth {depth} verifies {depth + 1} tokens; --num-draft-tokens "
+                                 f"{nodes} only applies to trees (--topk > 1)")
+        if self.temperature < 0 or not 0 < self.top_p <= 1:
+            raise DraftportError(f"need temperature >= 0 and 0 < top_p <= 1 (got {self.temperature}, {self.top_p})")
+        if self.sdpa not in SDPA_CHOICES:
+            raise DraftportError(f"sdpa must be one of {', '.join(SDPA_CHOICES)} (got {self.sdpa!r})")
+        return dataclasses.replace(self, depth=depth, num_draft_tokens=nodes)
+
+
+SDPA_CHOICES = ("auto", "default", "efficient", "math", "cudnn")
+
+
+def sdpa_context(choice: str):
+    """The scaled-dot-product-attention kernels a target pass may use. Why choose: on the H200 the
+    default (cuDNN) kernel took 56 µs a layer for an 8-token verify against a masked 1024-slot cache,
+    7 µs for 1 token; the best kernel depends on the shape, so graphed passes try each ("auto")."""
+    if choice in ("auto", "default"):
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel({"efficient": [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH],
+                        "math": [SDPBackend.MATH],
+                        "cudnn": [SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH]}[choice])
+
+
+@dataclass
+class Timings:
+    draft_s: list[float] = field(default_factory=list)     # per cycle: drafter extend + steps (+ tree build)
+    verify_s: list[float] = field(default_factory=list)    # per cycle: the target pass
+    overhead_s: list[float] = field(default_factory=list)  # per cycle: accept, KV compaction, the host copy
+    prefill_s: float = 0.0                                 # target + drafter prefill and the first token
+    total_s: float = 0.0                                   # the whole generate call
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]          # new tokens only (eos included when hit), at most max_new_tokens
+    accept_lens: list[int]        # per cycle: accepted drafts + 1 (the cycle's τ; 1 without a drafter)
+    cycles: int                   # verify passes after the prefill
+    timings: Timings
+
+    @property
+    def accept_len(self) -> float:
+        """τ: mean tokens per cycle."""
+        return sum(self.accept_lens) / max(len(self.accept_lens), 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# The target's static cache: HF Cache layers written at the slots the engine picks
+# ---------------------------------------------------------------------------------------------
+
+class _SlotLayer(CacheLayerMixin):
+    """One layer's full-length K/V buffers [B, Hkv, max_len, D]; `update` writes the new keys at
+    the owner's current `slots` [T] and returns the whole buffers (the 4D mask does the rest)."""
+
+    is_compileable = True
+    is_sliding = False  # sliding windows live in the mask: a full-length cache never evicts
+
+    def __init__(self, owner: "_SlotCache", max_len: int):
+        super().__init__()
+        self.owner, self.max_len = owner, max_len
+
+    def lazy_initialization(self, key_states, value_states):
+        B, H = key_states.shape[:2]
+        self.keys = key_states.new_zeros(B, H, self.max_len, key_states.shape[-1])
+        self.values = value_states.new_zeros(B, H, self.max_len, value_states.shape[-1])
+        self.device, self.is_initialized = key_states.device, True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.keys.index_copy_(2, self.owner.slots, key_states)
+        self.values.index_copy_(2, self.owner.slots, value_states)
+        return self.keys, self.values
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.max_len, 0
+
+    def get_seq_length(self) -> int:
+        return 0  # unused: the engine always passes position_ids and a prepared mask
+
+    def get_max_length(self) -> int:
+        return self.max_len
+
+
+class _SlotCache(Cache):
+    def __init__(self, num_layers: int, max_len: int):
+        self.slots: torch.Tensor | None = None  # [T] int64, set before each forward
+        super().__init__(layers=[_SlotLayer(self, max_len) for _ in range(num_layers)])
+
+    def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy entries at slots src [M] to slots dst [M] in every layer (gather first, so overlaps are safe)."""
+        for layer in self.layers:
+            if layer.is_initialized:
+                layer.keys.index_copy_(2, dst, layer.keys.index_select(2, src))
+                layer.values.index_copy_(2, dst, layer.values.index_select(2, src))
+
+
+# ---------------------------------------------------------------------------------------------
+# CUDA graphs: one per (call, shape), replayed with static input / output buffers
+# ---------------------------------------------------------------------------------------------
+
+class _Graphed:
+    """Runs fn(*tensors) -> tuple eagerly, or captures it once in a CUDA graph and replays it.
+
+    Warm-up and capture use the first call's real inputs: the functions wrapped here only write
+    cache slots their inputs name, so running them twice is harmless (same values, same slots).
+    Outputs are static buffers, overwritten by the next replay.
+    With several `variants` (context-manager factories, e.g. attention-kernel choices) each is
+    captured and replayed a few times, and the fastest graph is kept (`self.choice` its index).
+    """
+
+    def __init__(self, fn, enabled: bool, pool=None, variants=(contextlib.nullcontext,)):
+        self.fn, self.enabled, self.pool, self.variants = fn, enabled, pool, variants
+        self.graph = self.inputs = self.outputs = self.choice = None
+
+    def _capture(self, variant):
+        with variant():
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    self.fn(*self.inputs)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                outputs = self.fn(*self.inputs)
+        return graph, outputs
+
+    def __call__(self, *args: torch.Tensor):
+        if not self.enabled:
+            with self.variants[0]():
+                return self.fn(*args)
+        if self.graph is None:
+            self.inputs = [a.clone() for a in args]
+            best = None
+            for i, variant in enumerate(self.variants):
+                try:
+                    graph, outputs = self._capture(variant)
+                except RuntimeError:  # a kernel choice that cannot run this shape (e.g. no kernel for the mask)
+                    if i + 1 == len(self.variants) and best is None:
+                        raise
+                    continue
+                ms = _replay_ms(graph) if len(self.variants) > 1 else 0.0
+                if best is None or ms < best[0]:
+                    best = (ms, i, graph, outputs)
+            _, self.choice, self.graph, self.outputs = best
+        else:
+            for dst, src in zip(self.inputs, args):
+                dst.copy_(src)
+        self.graph.replay()
+        return self.outputs
+
+
+def _replay_ms(graph, n: int = 10) -> float:
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(n):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / n
+
+
+# ---------------------------------------------------------------------------------------------
+# The engine
+# ---------------------------------------------------------------------------------------------
+
+class SpecEngine:
+    """Speculative (or, with drafter=None, plain) generation at batch size 1.
+
+    target: an `HFTarget` (uses .model, .aux_layers, .spec); drafter: an `Eagle3Drafter` or None.
+    Caches and CUDA graphs are built once and reused by every `generate` call.
+    """
+
+    def __init__(self, target, drafter=None, cfg: EngineConfig | None = None):
+        self.cfg = (cfg or EngineConfig()).resolved()
+        self.target, self.drafter = target, drafter
+        self.model = target.model
+        first = next(self.model.parameters())
+        self.device, self.dtype = first.device, first.dtype
+        text = self.model.config.get_text_config() if hasattr(self.model.config, "get_text_config") else self.model.config
+        self.num_layers = int(text.num_hidden_layers)
+        self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
+        self.S = int(self.cfg.max_len)
+        self._layer_types, self._windows = _attention_layout(text)
+        params = inspect.signature(self.model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5.2x
+        self.cache = _SlotCache(self.num_layers, self.S)
+        self._ar = torch.arange(self.S, device=self.device)
+        self._ones11 = torch.ones(1, 1, dtype=torch.bool, device=self.device)
+        self._zero = torch.zeros((), dtype=torch.long, device=self.device)
+        self._gen = torch.Generator(device=self.device)
+        use_graphs = self.cfg.use_cuda_graphs if self.cfg.use_cuda_graphs is not None else self.device.type == "cuda"
+        if use_graphs and self.device.type != "cuda":
+            raise DraftportError("CUDA graphs need a CUDA target (use_cuda_graphs=True on a CPU model)")
+        self.use_graphs = use_graphs
+        self._graphs: dict[tuple, _Graphed] = {}
+        # eager on the CPU too (same code path as the captured graph, so the CPU tests cover it)
+        self._whole_phase = self.cfg.graph_draft_phase
+        fuse = self.cfg.fuse if self.cfg.fuse is not None else self.device.type == "cuda"
+        self.fused = FusedTarget(self.model) if fuse else None
+        self.dfused = None
+        if self.cfg.sdpa == "auto" and use_graphs:
+            self._target_variants = tuple(functools.partial(sdpa_context, c) for c in ("default", "efficient", "math"))
+        else:
+            self._target_variants = (functools.partial(sdpa_context, "default" if self.cfg.sdpa == "auto" else self.cfg.sdpa),)
+        self.aux_layers: list[int] = []
+        if drafter is not None:
+            self._init_drafter(drafter)
+
+    def _init_drafter(self, drafter) -> None:
+        spec = drafter.spec
+        if self.cfg.aux_layers is not None:
+            layers = list(self.cfg.aux_layers)
+        elif spec.trained_layers:
+            layers = list(spec.trained_layers)
+        else:
+            from draftport.check.compat import capture_layers
+            layers = capture_layers(spec, self.target.spec, "sglang")
+        if len(layers) != spec.num_aux_layers or not all(0 <= i <= self.num_layers for i in layers):
+            raise DraftportError(f"the drafter reads {spec.num_aux_layers} aux states but the engine would feed "
+                                 f"layers {layers} of a {self.num_layers}-layer target", spec.source)
+        if spec.vocab_size != self.vocab_size:
+            raise DraftportError(f"drafter vocab {spec.vocab_size} != target vocab {self.vocab_size}", spec.source)
+        d_device = getattr(getattr(drafter, "d2t", None), "device", self.device)
+        if d_device != self.device:
+            raise DraftportError(f"the drafter is on {d_device} but the target on {self.device}", spec.source)
+        if drafter.embedding_source == "unset":
+            drafter.set_embedding(self.target.embed_weight)
+        self.aux_layers = layers
+        self.dcache = drafter.new_cache(1, self.S, device=self.device)
+        # the drafter's own RMSNorms compiled too (its step is ~1/10 of a verify, run k times a cycle)
+        self.dfused = FusedTarget(drafter) if self.fused is not None else None
+        # draft id -> target id, [Vd]
+        self.d2t_ids = drafter.to_target_ids(torch.arange(spec.draft_vocab_size, device=self.device))
+
+    # -- graphed callables --------------------------------------------------------------------
+    def _call(self, name: str, fn, *args: torch.Tensor, variants=(contextlib.nullcontext,)):
+        key = (name, *(tuple(a.shape) for a in args))
+        g = self._graphs.get(key)
+        if g is None:
+            # Each graph gets its own memory pool. With one shared pool a graph captured later may place
+            # its outputs where an earlier graph keeps scratch, and that graph's next replay overwrites
+            # them: the whole-draft-phase graph (captured in cycle 2) returns the tree that the cycle
+            # reads AFTER the verify graph (captured in cycle 1) has replayed — on the H200 its paths came
+            # back as garbage indices (device-side assert). Private pools cost only the graphs' scratch.
+            pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+            g = self._graphs[key] = _Graphed(fn, self.use_graphs, pool, variants)
+        return g(*args)
+
+    def sdpa_choices(self) -> dict[str, str]:
+        """The attention kernel each graphed target pass ended up with, by token count ("auto" timing)."""
+        names = ("default", "efficient", "math") if len(self._target_variants) > 1 else (self.cfg.sdpa,)
+        return {f"{k[0]}_T{k[1][1]}": names[g.choice] for k, g in self._graphs.items()
+                if k[0].startswith("target") and g.choice is not None}
+
+    # -- the target pass ----------------------------------------------------------------------
+    def _target_masks(self, slots, pos, n, tree_mask):
+        """{layer type: additive mask [1, 1, T, S]}: prefix slots < n plus the tree's own nodes,
+        then the sliding window (query position − key position < window) on sliding layers."""
+        T = slots.shape[0]
+        key_pos = self._ar.index_copy(0, slots, pos)                       # RoPE position held by each slot
+        nodes = torch.zeros(T, self.S, dtype=torch.bool, device=self.device).index_copy_(1, slots, tree_mask)
+        allowed = (self._ar < n)[None, :] | nodes                          # [T, S]
+        neg = torch.finfo(self.dtype).min
+        masks = {}
+        for kind, window in zip(self._layer_types, self._windows):
+            ok = allowed if window is None else allowed & (pos[:, None] - key_pos[None, :] < window)
+            masks[kind] = torch.zeros(1, 1, T, self.S, dtype=self.dtype, device=self.device).masked_fill(~ok, neg)
+        return masks
+
+    def _target_fn(self, with_aux: bool):
+        def run(ids, n, depths, tree_mask):
+            T = ids.shape[1]
+            slots = self._ar[:T] + n
+            pos = n + depths
+            self.cache.slots = slots
+            masks = self._target_masks(slots, pos, n, tree_mask)
+            mask = masks if len(masks) > 1 else next(iter(masks.values()))
+            with self.fused.active() if self.fused is not None else contextlib.nullcontext():
+                out = self.model(input_ids=ids, position_ids=pos[None], attention_mask=mask, use_cache=True,
+                                 output_hidden_states=with_aux, **{self._cache_kw: self.cache})
+            logits = out.logits[0]                                         # [T, V] via the model's own head
+            if not with_aux:
+                return (logits,)
+            hs = out.hidden_states
+            return logits, torch.cat([hs[i][0] for i in self.aux_layers], dim=-1)  # [T, n·Ht]
+        return run
+
+    def target_pass(self, ids: torch.Tensor, n: torch.Tensor, depths: torch.Tensor, tree_mask: torch.Tensor,
+                    graphed: bool = True):
+        """Target forward over T tokens ids [T] at positions n + depths [T], KV written to slots
+        n..n+T-1, token i seeing slots < n and the tokens j with tree_mask[i, j].
+        Returns (logits [T, V], aux [T, n·Ht] or None)."""
+        with_aux = self.drafter is not None
+        fn = self._target_fn(with_aux)
+        args = (ids[None], n, depths, tree_mask)
+        if graphed:
+            out = self._call(f"target{int(with_aux)}", fn, *args, variants=self._target_variants)
+        else:
+            with self._target_variants[0]():
+                out = fn(*args)
+        return out[0], (out[1] if with_aux else None)
+
+    # -- the drafter steps --------------------------------------------------------------------
+    def _draft_step_fn(self, hidden, ids, pos, slots, mask):
+        with self.dfused.active() if self.dfused is not None else contextlib.nullcontext():
+            h, logits = self.drafter.step(hidden[None], ids[None], pos, self.dcache, cache_positions=slots,
+                                          attn_mask=mask[None])
+        return h[0], logits[0].float()
+
+    def _extend_fn(self, aux, ids, n):
+        """The drafter re-reads the real features: rows i = (aux(n+i), x_{n+i+1}) at position n+i."""
+        W = ids.shape[0]
+        slots = self._ar[:W] + n
+        mask = self._ar[None, :] <= slots[:, None]                          # causal over real slots
+        g = self.drafter.project(aux[None])[0]
+        return self._draft_step_fn(g, ids, slots, slots, mask)
+
+    def drafter_extend(self, aux, ids, n, graphed=True):
+        args = (aux, ids, n)
+        return self._call("extend", self._extend_fn, *args) if graphed else self._extend_fn(*args)
+
+    def drafter_step(self, hidden, ids, pos, slots, mask):
+        return self._call("draft", self._draft_step_fn, hidden, ids, pos, slots, mask)
+
+    # -- helpers ------------------------------------------------------------------------------
+    def _pick(self, logits: torch.Tensor) -> torch.Tensor:
+        """Next token from target logits [.., V]: argmax when greedy, else a draw from the warped p."""
+        if self.cfg.temperature <= 0:
+            return logits.argmax(-1)
+        return sampling.sample(sampling.warp_probs(logits, self.cfg.temperature, self.cfg.top_p), self._gen)
+
+    def _check_room(self, prompt_len: int, max_new_tokens: int) -> None:
+        c = self.cfg
+        per_cycle = 1 if self.drafter is None else max(c.num_draft_tokens, c.depth + 1, (c.depth - 1) * c.topk + 1)
+        need = prompt_len + max_new_tokens + per_cycle
+        if need > self.S:
+            raise DraftportError(f"a {prompt_len}-token prompt plus {max_new_tokens} new tokens needs {need} "
+                                 f"cache slots but the engine has max_len {self.S}")
+
+    # -- generation ---------------------------------------------------------------------------
+    @torch.no_grad()
+    def generate(self, prompt_ids, max_new_tokens: int, eos_ids=None, seed: int | None = None) -> GenerationResult:
+        """Generate up to max_new_tokens after prompt_ids ([P] or [1, P] ints); stops after an eos id.
+
+        Sampling draws from the engine's generator, reseeded each call with `seed` (default cfg.seed),
+        so a call is reproducible on its own."""
+        t_start = time.perf_counter()
+        prompt = torch.as_tensor(prompt_ids, dtype=torch.long).reshape(-1).to(self.device)
+        P = prompt.shape[0]
+        if P == 0 or max_new_tokens < 1:
+            raise DraftportError(f"need a non-empty prompt and max_new_tokens >= 1 (got {P} tokens, {max_new_tokens})")
+        self._check_room(P, max_new_tokens)
+        eos = set(int(e) for e in (eos_ids or []))
+        self._gen.manual_seed(self.cfg.seed if seed is None else seed)
+        clock = _Clock(self.device)
+        # Prefill (eager: one shape per prompt length would only fill the graph cache).
+        zero = self._zero
+        causal = torch.ones(P, P, dtype=torch.bool, device=self.device).tril()
+        logits, aux = self.target_pass(prompt, zero, self._ar[:P], causal, graphed=False)
+        last = self._pick(logits[-1])
+        state = None
+        if self.drafter is not None:
+            h, dl = self.drafter_extend(aux, torch.cat([prompt[1:], last[None]]), zero, graphed=False)
+            state = ("ready", h[-1], dl[-1])
+        out = [int(last)]
+        timings = Timings(prefill_s=time.perf_counter() - t_start)
+        accept_lens: list[int] = []
+        n = P
+        while len(out) < max_new_tokens and out[-1] not in eos:
+            if self.drafter is None:
+                emitted, last = self._plain_cycle(last, n, clock)
+            elif self.cfg.is_tree:
+                emitted, last, state = self._tree_cycle(last, n, state, clock)
+            else:
+                emitted, last, state = self._chain_cycle(last, n, state, clock)
+            accept_lens.append(len(emitted))
+            n += len(emitted)
+            for tok in emitted:
+                out.append(tok)
+                if tok in eos:
+                    break
+        timings.draft_s, timings.verify_s, timings.overhead_s = clock.split()
+        timings.total_s = time.perf_counter() - t_start
+        return GenerationResult(out[:max_new_tokens], accept_lens, len(accept_lens), timings)
+
+    def _plain_cycle(self, last, n, clock):
+        clock.mark()
+        clock.mark()  # no draft phase
+        nt = torch.full((), n, dtype=torch.long, device=self.device)
+        logits, _ = self.target_pass(last[None], nt, self._ar[:1], self._ones11)
+        clock.mark()
+        nxt = self._pick(logits[0])
+        emitted = self._emitted(self._zero, nxt[None])                     # the cycle's one host sync
+        clock.mark()
+        return emitted, nxt
+
+    def _chain_drafts(self, h, dl, n, step=None):
+        """The chain's draft phase after _drafter_ready: k draft tokens [k] (target ids) from the row
+        predicting x_{n+1}, and the warped draft distributions over the target vocab when sampling.
+        n: int, or a 0-dim tensor inside a captured draft phase; step: the drafter step (default the
+        per-step graphed one)."""
+        c, dev = self.cfg, self.device
+        k, greedy = c.depth, c.temperature <= 0
+        step = step or self.drafter_step
+        drafts, qs = [], []
+        for j in range(1, k + 1):
+            if greedy:
+                did = dl.argmax(-1)
+            else:
+                q = sampling.warp_probs(dl, c.temperature, c.top_p)        # [Vd]
+                did = sampling.sample(q, self._gen)
+                qs.append(torch.zeros(self.vocab_size, device=dev).index_copy_(0, self.d2t_ids, q))
+            tok = self.d2t_ids.index_select(0, did.reshape(1))[0]           # tensor index: no host sync
+            drafts.append(tok)
+            if j < k:  # row j sits at position (and slot) n-1+j and sees every slot up to its own
+                p = _positions(n - 1 + j, 1, dev)
+                h, dl = step(h[None], tok[None], p, p, self._ar[None, :] <= p[:, None])
+                h, dl = h[0], dl[0]
+        return torch.stack(drafts), qs                                     # [k]
+
+    def draft_phase(self, state, n: int, last):
+        """A cycle's draft phase: the drafter made ready (after a cycle: its extend over the accepted
+        rows), then the chain's k drafts [k] or the tree (DraftTree); the chain's sampling
+        distributions as a second value (empty when greedy). With CUDA graphs and greedy decoding,
+        a cycle after the first runs it as ONE graph (`_whole_phase_fn`): on a launch-bound target the
+        per-step graphs left ~10 small eager ops between drafter steps, which cost more than the steps."""
+        c = self.cfg
+        if self._whole_phase and state[0] == "pending" and c.temperature <= 0:
+            args = (*state[1:], last)                                      # aux, ext, nt, a, last
+            if not self.use_graphs:
+                return self._whole_phase_fn(*args), []
+            key = ("draft_phase", *(tuple(t.shape) for t in args))
+            captured = key in self._graphs and self._graphs[key].graph is not None
+            try:
+                return self._call("draft_phase", self._whole_phase_fn, *args), []
+            except RuntimeError as exc:
+                if captured:  # a replay error is a real error, not a capture limitation
+                    raise
+                self._whole_phase = False  # a capture this build cannot do: keep the per-step graphs
+                self._graphs.pop(key, None)
+                warnings.warn(f"draftport: the draft phase could not be captured as one graph ({exc}); "
+                              "using one graph per drafter step")
+        h, dl = self._drafter_ready(state)
+        if c.is_tree:
+            return self._tree_drafts(h, dl, n, last), []
+        return self._chain_drafts(h, dl, n)
+
+    def _whole_phase_fn(self, aux, ext, nt, a, last):
+        """draft_phase after a cycle as one function of tensors (captured whole): eager extend and steps.
+        nt is where the previous cycle's verify started; this cycle starts a + 1 tokens later."""
+        h, dl = self._extend_fn(aux, ext, nt)
+        row = a.reshape(1)
+        h, dl = h.index_select(0, row)[0], dl.index_select(0, row)[0]
+        n = nt + a + 1
+        if self.cfg.is_tree:
+            return self._tree_drafts(h, dl, n, last, step=self._draft_step_fn)
+        return self._chain_drafts(h, dl, n, step=self._draft_step_fn)[0]
+
+    def _chain_cycle(self, last, n, state, clock):
+        """Chain: d_1 from the last extend, k-1 single-token steps, verify k+1, accept, extend."""
+        c, dev = self.cfg, self.device
+        k, greedy = c.depth, c.temperature <= 0
+        clock.mark()
+        d, qs = self.draft_phase(state, n, last)
+        clock.mark()
+        nt = torch.full((), n, dtype=torch.long, device=dev)
+        tokens = torch.cat([last[None], d])
+        tmask = torch.ones(k + 1, k + 1, dtype=torch.bool, device=dev).tril()
+        logits, aux = self.target_pass(tokens, nt, self._ar[:k + 1], tmask)
+        clock.mark()
+        if greedy:
+            a, nxt = sampling.greedy_accept(d[None], logits[None])
+        else:
+            probs = sampling.warp_probs(logits, c.temperature, c.top_p)
+            a, nxt = sampling.chain_accept(d[None], torch.stack(qs)[None], probs[None], self._gen)
+        a, nxt = a[0], nxt[0]
+        ext = _extend_tokens(d, a, nxt)                                    # [k+1]
+        emitted = self._emitted(a, ext)                                    # the one host sync
+        clock.mark()
+        return emitted, nxt, ("pending", aux, ext, nt, a)
+
+    def _tree_drafts(self, h, dl, n, last, step=None):
+        """The tree's draft phase after _drafter_ready: D levels of K expanded nodes, then the N nodes
+        verify reads (sampling.tree_select). n and step as in _chain_drafts."""
+        c, dev = self.cfg, self.device
+        K, D, N = c.topk, c.depth, c.num_draft_tokens
+        step = step or self.drafter_step
+        levels = [sampling.tree_root_level(torch.log_softmax(dl, -1), self.d2t_ids, K)]
+        base = n                                                           # draft rows live at slots n..
+        front_h = h[None].expand(K, -1)                                    # [K, H] hidden of each frontier node's parent
+        anc = torch.zeros(K, self.S, dtype=torch.bool, device=dev)         # draft slots each frontier row sees
+        for d in range(1, D):
+            lv = levels[-1]
+            slots = base + (d - 1) * K + torch.arange(K, device=dev)
+            anc = anc.clone()
+            anc.scatter_(1, slots[:, None], True)                          # scatter: index_put syncs on CUDA
+            mask = (self._ar[None, :] < n) | anc                          # prefix + own ancestors + self
+            pos = _positions(n - 1 + d, K, dev)
+            hk, dlk = step(front_h, lv.tokens[lv.frontier], pos, slots, mask)
+            nxt_lv = sampling.tree_expand(lv, torch.log_softmax(dlk, -1), self.d2t_ids, K)
+            parent_rank = nxt_lv.frontier // K                             # which frontier row each child came from
+            front_h, anc = hk[parent_rank], anc[parent_rank]
+            levels.append(nxt_lv)
+        return sampling.tree_select(levels, last, N)
+
+    def _tree_cycle(self, last, n, state, clock):
+        """EAGLE-2 tree: expand depth levels of K nodes, select N nodes, verify, accept, compact, extend."""
+        c, dev = self.cfg, self.device
+        clock.mark()
+        tree, _ = self.draft_phase(state, n, last)
+        clock.mark()
+        nt = torch.full((), n, dtype=torch.long, device=dev)
+        logits, aux = self.target_pass(tree.tokens, nt, tree.depths, tree.attn_mask)
+        clock.mark()
+        if c.temperature <= 0:
+            a, path, nxt = sampling.tree_greedy_accept(tree, logits)
+        else:
+            probs = sampling.warp_probs(logits, c.temperature, c.top_p)
+            a, path, nxt = sampling.tree_sample_accept(tree, probs[None], self._gen)
+            a, path, nxt = a[0], path[0], nxt[0]
+        src = path.clamp_min(0)                                            # padded entries: harmless copies
+        W = src.shape[0]
+        self.cache.move(nt + src, nt + self._ar[:W])                       # accepted KV to slots n..n+a
+        ext = _extend_tokens(tree.tokens[src[1:]], a, nxt)                 # [D+1]
+        emitted = self._emitted(a, ext)
+        clock.mark()
+        return emitted, nxt, ("pending", aux[src], ext, nt, a)             # aux of the accepted nodes
+
+    @torch.no_grad()
+    def replay_tree(self, aux: torch.Tensor, seq: torch.Tensor, target_argmax: torch.Tensor, prompt_len: int,
+                    max_new_tokens: int) -> list[int]:
+        """Offline τ of a tree: greedy decoding's cycles over a known continuation, without verify passes.
+
+        seq [L] = prompt + the target's own greedy continuation, aux [L, n·Ht] its aux states and
+        target_argmax [L] its argmax, all from one teacher-forced target pass. Each cycle runs the
+        engine's own draft phase (draft_phase) on those states; a node is accepted
+        when its whole path matches the target's argmax (the true continuation), scored only where
+        that argmax is known (index ≤ L − 1, as offline.walk_cycles cuts chains). Then the drafter
+        re-reads the accepted positions' states, as after a verify. Returns the accepted drafts per cycle."""
+        dev, D, P = self.device, self.cfg.depth, prompt_len
+        seq, argmax, aux = seq.to(dev), target_argmax.to(dev), aux.to(dev, self.dtype)
+        L = seq.shape[0]
+        h, dl = self.drafter_extend(aux[:P], seq[1:P + 1], self._zero, graphed=False)
+        state = ("ready", h[-1], dl[-1])
+        budget = min(L - P, max_new_tokens)
+        n, produced, accepts = P, 1, []
+        rows = torch.arange(D + 1, device=dev)
+        while produced < budget and n < L:
+            tree, _ = self.draft_phase(state, n, seq[n])
+            idx = n + rows[:-1]                                            # argmax index of each path depth
+            want = torch.where(idx <= L - 1, argmax[idx.clamp_max(L - 1)], -1)
+            safe = tree.paths.clamp_min(0)
+            cand = torch.where(tree.paths >= 0, tree.tokens[safe], -2)    # -2: no node, never equal to want
+            a = int(sampling.leading_true(cand[:, 1:] == want[None]).max())
+            accepts.append(a)
+            nt = torch.full((), n, dtype=torch.long, device=dev)
+            ext = argmax[(n + rows.clamp_max(a)).clamp_max(L - 1)]        # accepted drafts, then the bonus
+            src = torch.where(rows <= a, n + rows, n).clamp_max(L - 1)    # padded rows read the root's, as decoding
+            state = ("pending", aux[src], ext, nt, torch.tensor(a, device=dev))
+            produced += a + 1
+            n += a + 1
+        return accepts
+
+    def _emitted(self, a: torch.Tensor, ext: torch.Tensor) -> list[int]:
+        """The cycle's one device→host copy: the accept count and the tokens behind it."""
+        host = torch.cat([a[None], ext]).tolist()
+        return host[1:host[0] + 2]
+
+    def _drafter_ready(self, state) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden [H], draft logits [Vd]) of the row that predicts x_{n+1}.
+
+        After a cycle the drafter first re-reads the target's aux states at the accepted positions
+        (algorithms.md chain step 4): one extend over depth+1 rows, of which rows 0..a are real and
+        the rest padding that later draft steps overwrite (a fixed shape, so it can be graphed)."""
+        if state[0] == "ready":
+            return state[1], state[2]
+        _, aux, ext, nt, a = state
+        h, dl = self.drafter_extend(aux, ext, nt)
+        row = a.reshape(1)                                                 # index by tensor: no host sync
+        return h.index_select(0, row)[0], dl.index_select(0, row)[0]
+
+
+def _positions(p, count: int, device) -> torch.Tensor:
+    """[count] int64 filled with position p: a Python int, or a 0-dim tensor inside a captured graph
+    (torch.full needs a number, and a host scalar cannot change between replays)."""
+    if isinstance(p, torch.Tensor):
+        return p.reshape(1).expand(count).clone()
+    return torch.full((count,), p, dtype=torch.long, device=device)
+
+
+def _extend_tokens(drafts: torch.Tensor, a: torch.Tensor, nxt: torch.Tensor) -> torch.Tensor:
+    """[x_{n+1}, .., x_{n+a+1}] padded to len(drafts)+1: drafts before a, the bonus at a, bonus after."""
+    W = drafts.shape[0] + 1
+    i = torch.arange(W, device=drafts.device)
+    padded = torch.cat([drafts, nxt[None]])
+    return torch.where(i < a, padded, nxt)
+
+
+def _attention_layout(text_config) -> tuple[list[str], list[int | None]]:
+    """Layer types of the target and the window of each (None = full attention)."""
+    types = getattr(text_config, "layer_types", None)
+    window = getattr(text_config, "sliding_window", None)
+    if not types:
+        types = ["sliding_attention" if window else "full_attention"]
+    kinds = []
+    for kind in dict.fromkeys(types):
+        if kind == "full_attention":
+            kinds.append((kind, None))
+        elif kind == "sliding_attention":
+            if not window:
+                raise DraftportError("target has sliding-window layers but no sliding_window in its config")
+            kinds.append((kind, int(window)))
+        else:
+            raise DraftportError(f"target layer type {kind!r} is not supported by the engine "
+                                 "(full and sliding-window attention are)")
+    return [k for k, _ in kinds], [w for _, w in kinds]
+
+
+class _Clock:
+    """Phase boundaries per cycle: mark() 4 times a cycle (start, drafted, verified, accepted).
+
+    CUDA events on the GPU (read after the run, so no sync inside a cycle), perf_counter on the CPU.
+    """
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.marks: list = []
+
+    def mark(self):
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            self.marks.append(e)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def split(self) -> tuple[list[float], list[float], list[float]]:
+        if self.cuda and self.marks:
+            torch.cuda.synchronize()
+        m = self.marks
+        el = (lambda a, b: a.elapsed_time(b) / 1e3) if self.cuda else (lambda a, b: b - a)
+        draft, verify, over = [], [], []
+        for i in range(0, len(m) - 3, 4):
+            draft.append(el(m[i], m[i + 1]))
+            verify.append(el(m[i + 1], m[i + 2]))
+            over.append(el(m[i + 2], m[i + 3]))
+        return draft, verify, over

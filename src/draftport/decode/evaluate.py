@@ -1,0 +1,610 @@
+"""`draftport eval` and `draftport generate`: online τ and tokens/s against no speculation.
+
+For each prompt (the first user turn, chat template applied — `plain` for base models) eval runs
+    baseline   the same engine without a drafter (same static-cache machinery, same CUDA graphs);
+    speculative the engine with the drafter (chain, or EAGLE-2 tree with --topk > 1);
+    HF generate the model's own `generate` (dynamic cache) as a second baseline (--no-hf-baseline skips);
+    offline τ  the teacher-forced simulation on the baseline's own outputs (the target's greedy text,
+               so it should equal the online τ): chains by offline.py, trees by the engine's own draft
+               phase without verify passes (SpecEngine.replay_tree); with --store, offline.py's chains
+               on the capture store;
+and records τ, per-position acceptance, the acceptance histogram, per-cycle draft / verify / overhead
+times, and the tok/s that economics predicts from step times measured in isolation (the cycle's draft
+phase, a verify pass of k+1 tokens or N tree nodes; medians of repeated calls) and the offline τ —
+which may disagree with the measurement: both are reported with the relative error.
+
+Rates are decode rates: tokens after the first / time after the prefill (the prefill costs the same
+with and without speculation, and its length is the prompt's, not the method's). HF generate's rate
+is (n − 1) / (t(n) − t(1)) from a full and a 1-token call. Warm-up (graph capture, first-call costs)
+is run once on the first prompt and excluded. The baseline decodes depth − 1 tokens past
+--max-new-tokens so the offline walk can score the drafts of the speculative run's last cycle; speed
+comparisons are rates, so the extra tokens do not bias them, and the match rate compares the first
+--max-new-tokens tokens only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+from draftport.errors import DraftportError
+from draftport.safeio import atomic_write_bytes, atomic_write_json, sha256_file
+
+DEFAULT_MAX_NEW_TOKENS = 128   # per prompt; EAGLE's MT-bench runs use 1024, which takes minutes a prompt on a CPU
+DEFAULT_TIMING_REPEATS = 20    # calls per isolated step measurement (median taken)
+
+
+@dataclass
+class EvalConfig:
+    target: str                          # HF dir, .gguf, or gemma-3-270m
+    drafter: str                         # drafter dir (any supported layout)
+    prompts: str = "mt-bench"            # mt-bench | humaneval | sharegpt | a JSON/JSONL file
+    out: str | None = None               # output dir (summary.json, metrics.jsonl, accept.png, manifest.json)
+    max_samples: int | None = None       # prompts evaluated (default: all)
+    max_len: int | None = None           # prompt tokens at most (the last ones are kept: the generation prompt)
+    max_new_tokens: int | None = None    # tokens generated per prompt (default 128)
+    temperature: float = 0.0             # 0 = greedy
+    top_p: float = 1.0
+    depth: int | None = None             # k (chain default 3, tree default 5)
+    topk: int = 1                        # 1 = chain, > 1 = EAGLE-2 tree
+    num_draft_tokens: int | None = None  # tree nodes per verify (default 8)
+    fuse: bool | None = None             # engine's compiled target pass (default: on CUDA)
+    sdpa: str = "auto"                   # engine's target attention kernel
+    device: str | None = None            # default: cuda when available
+    dtype: str | None = None             # default: bf16 on cuda, fp32 on cpu
+    seed: int = 0
+    chat_template: str | None = None     # default: the tokenizer's own, else plain
+    store: str | None = None             # capture store for the offline τ (default: the baseline's outputs)
+    no_hf_baseline: bool = False         # skip timing HF generate
+    trust_remote_code: bool = False
+    json: bool = False                   # one JSON object on stdout
+    timing_repeats: int = DEFAULT_TIMING_REPEATS  # calls per isolated step timing
+    offline_samples: int = 200           # store samples used for the offline τ at most
+
+
+@dataclass
+class GenerateConfig:
+    target: str
+    prompt: str                          # user message (chat template applied)
+    drafter: str | None = None           # None: plain decoding
+    max_new_tokens: int | None = None    # default 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    depth: int | None = None
+    topk: int = 1
+    num_draft_tokens: int | None = None
+    fuse: bool | None = None
+    sdpa: str = "auto"
+    device: str | None = None
+    dtype: str | None = None
+    seed: int = 0
+    chat_template: str | None = None
+    trust_remote_code: bool = False
+    json: bool = False
+
+
+# ---------------------------------------------------------------------------------------------
+# Pure helpers
+# ---------------------------------------------------------------------------------------------
+
+def prefix_match(a: list[int], b: list[int]) -> int:
+    """Length of the common prefix of two token lists (after the first difference nothing compares)."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def rel_err(estimate: float | None, measured: float | None) -> float | None:
+    """(estimate − measured) / measured, None when either is missing or measured is 0."""
+    if estimate is None or not measured:
+        return None
+    return (estimate - measured) / measured
+
+
+def decode_rate(tokens: int, seconds: float) -> float | None:
+    return tokens / seconds if tokens > 0 and seconds > 0 else None
+
+
+def _mean_ms(xs: list[float]) -> float | None:
+    return 1000.0 * sum(xs) / len(xs) if xs else None
+
+
+def predicted_tok_s(accept_len: float | None, verify_ms: float, draft_ms: float, depth: int,
+                    overhead_ms: float) -> float | None:
+    """economics: τ / (verify + depth · draft + overhead)."""
+    from draftport import economics
+
+    if accept_len is None:
+        return None
+    return economics.tok_per_s(accept_len, economics.cycle_time_ms(verify_ms, draft_ms, depth, overhead_ms))
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+# ---------------------------------------------------------------------------------------------
+
+def load_drafter_for(path: str, target):
+    """The drafter on the target's device and dtype, reading the target's embedding unless it has its own."""
+    from draftport.model.drafter import Eagle3Drafter
+
+    drafter = Eagle3Drafter.from_pretrained(path, device=target.device, dtype=target.dtype)
+    if drafter.embedding_source != "checkpoint":
+        drafter.set_embedding(target.embed_weight)
+    return drafter.eval()
+
+
+def encode_prompts(target, convs, chat_template: str | None, max_len: int | None) -> list[list[int]]:
+    """Token ids of each prompt conversation with the assistant header appended (what decoding continues)."""
+    from draftport.data.conversations import encode_prompt
+
+    out = []
+    for conv in convs:
+        ids = encode_prompt(target.tokenizer, conv, chat_template)
+        if max_len is not None and len(ids) > max_len:
+            ids = ids[-max_len:]
+        if not ids:
+            raise DraftportError(f"prompt {conv.id or len(out)} encodes to no tokens")
+        out.append(ids)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Measurements
+# ---------------------------------------------------------------------------------------------
+
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_call(fn, device, repeats: int, warmup: int = 2, inner: int = 1) -> float:
+    """Median wall time of fn() in ms: `repeats` samples, each `inner` calls back to back between two
+    synchronisations, divided by `inner`. inner = 1 times a call with a host sync around it; inner > 1
+    times it the way a decoding cycle issues it (queued behind the previous call, no sync between),
+    which is what a prediction of the cycle needs: a sync per call adds its round trip to every call.
+    Off CUDA every call is synchronous already, so inner is 1 there (more calls would only cost time)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    inner = max(1, inner) if getattr(device, "type", device) == "cuda" else 1
+    for _ in range(max(1, repeats)):
+        _sync(device)
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        _sync(device)
+        times.append(1000.0 * (time.perf_counter() - t0) / inner)
+    return statistics.median(times)
+
+
+# Calls per timing sample in measure_steps: inside a cycle the draft steps, the extend and the verify are
+# queued back to back with no host sync between them (the one sync a cycle, the accept count, is in
+# the measured overhead), so each is timed that way.
+STEP_INNER = 8
+
+
+def measure_steps(base, spec, position: int, repeats: int) -> dict:
+    """The engine's hot calls timed in isolation, each with the small selection / mask work that
+    decoding does around it (so the sum predicts a cycle), at the shapes a cycle uses (graphs reused):
+        decode_step  one target pass of 1 token (the no-speculation step);
+        verify       the target pass over k+1 tokens (a chain) or N nodes (a tree), aux capture on;
+        draft_step   pick the next draft (argmax → target id; a tree: top-K expansion) + one drafter step;
+        extend       the drafter's re-read of the accepted rows (one step over depth+1 rows);
+        tree_select  (trees) choosing the N nodes and building the tree mask, once a cycle;
+        draft_phase  the cycle's whole draft phase as the engine runs it (extend + (depth − 1) draft steps
+                     or the tree levels + tree_select, with the bookkeeping between them).
+    `draft_ms_per_step` is draft_phase divided by depth, the per-step figure economics takes. Writes
+    only cache slots ≥ position, which the next generate overwrites before reading them."""
+    import torch
+
+    from draftport.decode import sampling
+
+    c, dev, S, drafter = spec.cfg, spec.device, spec.S, spec.drafter
+    K, k = c.topk, c.depth
+    rows_verify = c.num_draft_tokens if c.is_tree else k + 1
+    n = max(1, min(position, S - max(rows_verify, k + 1, K * k) - 2))
+    ar = torch.arange(S, device=dev)
+    out = {"timing_position": n}
+
+    def decode_step():
+        nt = torch.full((), n, dtype=torch.long, device=dev)
+        base.target_pass(torch.zeros(1, dtype=torch.long, device=dev), nt, ar[:1],
+                         torch.ones(1, 1, dtype=torch.bool, device=dev))
+
+    drafts = torch.zeros(rows_verify - 1, dtype=torch.long, device=dev)
+    last = torch.zeros((), dtype=torch.long, device=dev)
+
+    def verify():
+        nt = torch.full((), n, dtype=torch.long, device=dev)
+        tokens = torch.cat([last[None], drafts])
+        tmask = torch.ones(rows_verify, rows_verify, dtype=torch.bool, device=dev).tril()
+        spec.target_pass(tokens, nt, ar[:rows_verify], tmask)
+
+    out["decode_step_ms"] = time_call(decode_step, dev, repeats, inner=STEP_INNER)
+    out["verify_ms"] = time_call(verify, dev, repeats, inner=STEP_INNER)
+    Vd, H = drafter.spec.draft_vocab_size, drafter.spec.hidden_size
+    dl = torch.zeros(Vd, device=dev)
+    hid = torch.zeros(K, H, dtype=drafter.fc.weight.dtype, device=dev)
+    level = sampling.tree_root_level(torch.log_softmax(dl, -1), spec.d2t_ids, K) if c.is_tree else None
+
+    def chain_step():
+        tok = spec.d2t_ids[dl.argmax(-1)]
+        p = torch.full((1,), n, dtype=torch.long, device=dev)
+        h, logits = spec.drafter_step(hid, tok[None], p, p, ar[None, :] <= p[:, None])
+        return h[0], logits[0]
+
+    def tree_step():
+        slots = n + torch.arange(K, device=dev)
+        pos = torch.full((K,), n, dtype=torch.long, device=dev)
+        hk, dlk = spec.drafter_step(hid, level.tokens[level.frontier], pos, slots, (ar[None, :] < n) | (ar[None, :] == slots[:, None]))
+        nxt = sampling.tree_expand(level, torch.log_softmax(dlk, -1), spec.d2t_ids, K)
+        return hk[nxt.frontier // K], nxt
+
+    out["draft_step_ms"] = time_call(tree_step if c.is_tree else chain_step, dev, repeats, inner=STEP_INNER)
+    aux = torch.zeros(k + 1, drafter.spec.num_aux_layers * drafter.spec.target_hidden_size, dtype=spec.dtype,
+                      device=dev)
+    ext = torch.zeros(k + 1, dtype=torch.long, device=dev)
+    row = torch.zeros(1, dtype=torch.long, device=dev)
+
+    def extend():
+        h, logits = spec.drafter_extend(aux, ext, torch.full((), n, dtype=torch.long, device=dev))
+        return h.index_select(0, row)[0], logits.index_select(0, row)[0]
+
+    out["extend_ms"] = time_call(extend, dev, repeats, inner=STEP_INNER)
+    if c.is_tree:
+        levels = [level] + [tree_step()[1] for _ in range(k - 1)]
+        out["tree_select_ms"] = time_call(lambda: sampling.tree_select(levels, last, c.num_draft_tokens), dev, repeats,
+                                         inner=STEP_INNER)
+    # the whole draft phase through the engine's own code (extend, the k steps or D tree levels with
+    # their bookkeeping, the tree selection): the sum of the pieces above misses the small tensor ops
+    # between them, which a launch-bound cycle pays for (an H200 tree cycle: 3.9 ms vs 2.6 ms summed)
+    zero = torch.zeros((), dtype=torch.long, device=dev)
+    pending = ("pending", aux, ext, zero + n, zero)                   # a verify at n accepted nothing
+
+    def draft_phase():
+        return spec.draft_phase(pending, n, last)
+
+    out["draft_phase_ms"] = time_call(draft_phase, dev, repeats, inner=STEP_INNER)
+    out["draft_ms_per_step"] = out["draft_phase_ms"] / k
+    out["verify_over_decode"] = out["verify_ms"] / out["decode_step_ms"] if out["decode_step_ms"] > 0 else None
+    return out
+
+
+def hf_generate_rate(target, prompt_ids: list[int], n_new: int, stop_ids: list[int], temperature: float,
+                     top_p: float, seed: int, extra: dict | None = None) -> tuple[float | None, int]:
+    """HF `generate` decode rate: (n − 1) / (t(n) − t(1)); returns (tok/s, n). Dynamic cache unless
+    `extra` (more GenerationConfig fields, e.g. cache_implementation="static") says otherwise."""
+    import torch
+    from transformers import GenerationConfig
+
+    model, dev = target.model, target.device
+    ids = torch.tensor([prompt_ids], dtype=torch.long, device=dev)
+    tok = target.tokenizer
+    pad = tok.pad_token_id if tok is not None and tok.pad_token_id is not None else (stop_ids or [0])[0]
+
+    def run(n: int) -> tuple[float, int]:
+        kw = dict(max_new_tokens=n, do_sample=temperature > 0, eos_token_id=stop_ids or None, pad_token_id=pad)
+        if temperature > 0:
+            kw.update(temperature=temperature, top_p=top_p, top_k=0)
+        kw.update(extra or {})
+        torch.manual_seed(seed)
+        _sync(dev)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                 generation_config=GenerationConfig(**kw))
+        _sync(dev)
+        return time.perf_counter() - t0, int(out.shape[1] - ids.shape[1])
+
+    t1, _ = run(1)
+    tn, n = run(n_new)
+    return (decode_rate(n - 1, tn - t1) if n > 1 else None), n
+
+
+def offline_on_outputs(spec, target, prompt_ids: list[int], continuation: list[int], max_new_tokens: int):
+    """Offline walk over the baseline's own continuation of one prompt (teacher-forced, one target pass):
+    chains through offline.sample_walk, trees through the engine's own draft phase (SpecEngine.replay_tree)."""
+    import torch
+
+    from draftport.decode.offline import WalkResult, sample_walk, target_argmax_from_hidden
+
+    seq = torch.tensor(prompt_ids + continuation, dtype=torch.long)
+    out = target.forward(seq[None], aux_layers=spec.aux_layers)
+    argmax = target_argmax_from_hidden(target, out.last_hidden[0])
+    if spec.cfg.is_tree:
+        return WalkResult(cycle_accepts=spec.replay_tree(out.aux[0], seq, argmax, len(prompt_ids), max_new_tokens))
+    mask = torch.zeros(seq.shape[0], dtype=torch.bool)
+    mask[len(prompt_ids):] = True
+    return sample_walk(spec.drafter, out.aux[0], seq, mask, argmax, spec.cfg.depth, max_new_tokens)
+
+
+# ---------------------------------------------------------------------------------------------
+# eval
+# ---------------------------------------------------------------------------------------------
+
+def run_eval(cfg: EvalConfig, *, target=None, drafter=None, console=None) -> dict:
+    """Evaluate and write the outputs; returns the summary. `target` / `drafter` may be passed in
+    (already-loaded objects, e.g. tiny test models); otherwise they are loaded from cfg."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from draftport.decode import offline
+    from draftport.data.conversations import load_prompts, stop_token_ids
+    from draftport.decode.engine import EngineConfig, SpecEngine
+
+    console = console or Console(stderr=True)
+    N = cfg.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
+    if N < 1:
+        raise DraftportError(f"--max-new-tokens must be >= 1 (got {N})")
+    if cfg.timing_repeats < 1:
+        raise DraftportError(f"timing_repeats must be >= 1 (got {cfg.timing_repeats})")
+    convs = load_prompts(cfg.prompts, max_samples=cfg.max_samples)   # bad files fail before any model loads
+    if cfg.store is not None and not os.path.isdir(cfg.store):
+        raise DraftportError("no such capture store directory", cfg.store)
+    if target is None:
+        from draftport.model.target import load_target
+
+        target = load_target(cfg.target, device=cfg.device, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code)
+    if drafter is None:
+        drafter = load_drafter_for(cfg.drafter, target)
+    prompts = encode_prompts(target, convs, cfg.chat_template, cfg.max_len)
+    stops = stop_token_ids(target.tokenizer, cfg.chat_template, target.eos_token_ids)
+    ecfg = EngineConfig(depth=cfg.depth, topk=cfg.topk, num_draft_tokens=cfg.num_draft_tokens,
+                        temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed, fuse=cfg.fuse,
+                        sdpa=cfg.sdpa).resolved()
+    k = ecfg.depth
+    per_cycle = max(ecfg.num_draft_tokens, k + 1, (k - 1) * ecfg.topk + 1)
+    ecfg.max_len = max(len(p) for p in prompts) + N + k + per_cycle + 8
+    base = SpecEngine(target, None, EngineConfig(temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed,
+                                                 max_len=ecfg.max_len, fuse=cfg.fuse, sdpa=cfg.sdpa))
+    spec = SpecEngine(target, drafter, ecfg)
+    greedy = cfg.temperature <= 0
+    n_base = N + k - 1                               # past N so the offline walk can score the last cycle
+
+    store_result = None
+    if cfg.store is not None:
+        with console.status("offline τ on the capture store"):
+            store_result = offline.offline_accept_len(drafter, cfg.store, target=target, depth=k,
+                                                      max_samples=cfg.offline_samples, aux_layers=spec.aux_layers)
+
+    # Warm-up: graph capture and first-call costs, on the first prompt, excluded from every figure.
+    warm = prompts[0]
+    base.generate(warm, min(n_base, 4), stops)
+    spec.generate(warm, min(N, 3 * (k + 1)), stops)
+    if not cfg.no_hf_baseline:
+        hf_generate_rate(target, warm, min(N, 4), stops, cfg.temperature, cfg.top_p, cfg.seed)
+
+    rows, cycles_all, draft_s, verify_s, over_s = [], [], [], [], []
+    offline_cycles, offline_positions = [], []
+    tot = {"spec_tok": 0, "spec_s": 0.0, "base_tok": 0, "base_s": 0.0, "match": 0, "compared": 0, "exact": 0}
+    hf_rates = []
+    with Progress(TextColumn("eval"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console, transient=True) as bar:
+        task = bar.add_task("prompts", total=len(prompts))
+        for i, (conv, p) in enumerate(zip(convs, prompts)):
+            rb = base.generate(p, n_base, stops, seed=cfg.seed + i)
+            rs = spec.generate(p, N, stops, seed=cfg.seed + i)
+            b_tok, b_s = len(rb.token_ids) - 1, rb.timings.total_s - rb.timings.prefill_s
+            s_tok, s_s = len(rs.token_ids) - 1, rs.timings.total_s - rs.timings.prefill_s
+            ref = rb.token_ids[:N]
+            m = prefix_match(rs.token_ids, ref)
+            tot["match"] += m
+            tot["compared"] += max(len(ref), len(rs.token_ids))
+            tot["exact"] += int(rs.token_ids == ref)
+            tot["spec_tok"] += s_tok
+            tot["spec_s"] += s_s
+            tot["base_tok"] += b_tok
+            tot["base_s"] += b_s
+            cycles_all += rs.accept_lens
+            draft_s += rs.timings.draft_s
+            verify_s += rs.timings.verify_s
+            over_s += rs.timings.overhead_s
+            hf = None
+            if not cfg.no_hf_baseline:
+                hf, _ = hf_generate_rate(target, p, N, stops, cfg.temperature, cfg.top_p, cfg.seed + i)
+                if hf is not None:
+                    hf_rates.append(hf)
+            w = None
+            if store_result is None:
+                w = offline_on_outputs(spec, target, p, rb.token_ids, N)
+                offline_cycles += w.cycle_accepts
+                offline_positions += w.position_accepts
+            rows.append({
+                "index": i, "id": conv.id, "prompt_tokens": len(p), "new_tokens": len(rs.token_ids),
+                "cycles": rs.cycles, "accept_len": rs.accept_len, "accept_lens": rs.accept_lens,
+                "tok_s": decode_rate(s_tok, s_s), "baseline_tok_s": decode_rate(b_tok, b_s),
+                "hf_generate_tok_s": hf, "match_prefix": m, "match": rs.token_ids == ref,
+                "offline_accept_len": (sum(w.cycle_accepts) / len(w.cycle_accepts) + 1.0
+                                       if w is not None and w.cycle_accepts else None),
+                "draft_ms": _mean_ms(rs.timings.draft_s), "verify_ms": _mean_ms(rs.timings.verify_s),
+                "overhead_ms": _mean_ms(rs.timings.overhead_s)})
+            bar.advance(task)
+
+    online = offline.summarize([t - 1 for t in cycles_all], k)
+    if store_result is not None:
+        off, off_source = store_result, "store"
+    else:
+        off, off_source = offline.summarize(offline_cycles, k, offline_positions), "baseline-outputs"
+    typical = int(statistics.median(len(p) for p in prompts)) + N // 2
+    steps = measure_steps(base, spec, typical, cfg.timing_repeats)
+    draft_ms, verify_ms, overhead_ms = _mean_ms(draft_s), _mean_ms(verify_s), _mean_ms(over_s)
+    tok_s = decode_rate(tot["spec_tok"], tot["spec_s"])
+    baseline = decode_rate(tot["base_tok"], tot["base_s"])
+    over_pred = overhead_ms or 0.0
+    pred = predicted_tok_s(off["accept_len"], steps["verify_ms"], steps["draft_ms_per_step"], k, over_pred)
+    pred_online = predicted_tok_s(online["accept_len"], steps["verify_ms"], steps["draft_ms_per_step"], k, over_pred)
+    depths = None
+    if not ecfg.is_tree and off["per_position"]:  # would a shorter chain pay more? (offline τ, isolated steps)
+        from draftport import economics
+
+        depths = economics.chain_depth_table(off["per_position"], steps["decode_step_ms"], steps["verify_ms"],
+                                             steps["draft_ms_per_step"], over_pred)
+    summary = {
+        "accept_len": online["accept_len"], "tok_s": tok_s, "baseline_tok_s": baseline,
+        "speedup": tok_s / baseline if tok_s and baseline else None,
+        "predicted_tok_s": pred, "predicted_rel_err": rel_err(pred, tok_s),
+        "predicted_tok_s_at_online_tau": pred_online, "predicted_at_online_tau_rel_err": rel_err(pred_online, tok_s),
+        "predicted_by_depth": depths,
+        "best_depth": max(depths, key=lambda r: r["tok_s"])["depth"] if depths else None,
+        "hf_generate_tok_s": (sum(hf_rates) / len(hf_rates)) if hf_rates else None,
+        "per_position_accept": online["per_position"], "accept_hist": online["accept_hist"],
+        "cycles": online["cycles"],
+        "draft_ms": draft_ms, "verify_ms": verify_ms, "overhead_ms": overhead_ms,
+        "cycle_ms": sum(x for x in (draft_ms, verify_ms, overhead_ms) if x is not None) if draft_ms else None,
+        "offline_accept_len": off["accept_len"], "offline_source": off_source,
+        "offline_mode": "tree" if ecfg.is_tree and store_result is None else "chain",
+        "offline_rel_err": rel_err(off["accept_len"], online["accept_len"]),
+        "offline_per_position": off["per_position"], "offline_position_accept_len": off.get("position_accept_len"),
+        "match_rate": tot["match"] / tot["compared"] if greedy and tot["compared"] else None,
+        "exact_match_prompts": tot["exact"] / len(prompts) if greedy else None,
+        "num_prompts": len(prompts), "new_tokens": sum(r["new_tokens"] for r in rows),
+        "isolated_ms": steps,
+        "config": {**asdict(cfg), "engine": {"depth": k, "topk": ecfg.topk, "num_draft_tokens": ecfg.num_draft_tokens,
+                                             "max_len": ecfg.max_len, "cuda_graphs": spec.use_graphs,
+                                             "fused": spec.fused is not None, "sdpa": ecfg.sdpa,
+                                             "sdpa_choices": {"baseline": base.sdpa_choices(),
+                                                              "speculative": spec.sdpa_choices()}},
+                   "aux_layers": spec.aux_layers, "device": str(target.device), "dtype": str(target.dtype),
+                   "stop_token_ids": stops, "baseline_new_tokens": n_base,
+                   "timing": "decode rates: tokens after the first / time after the prefill; warm-up excluded",
+                   "predicted": "economics: offline τ / (isolated verify + depth · isolated draft step (one extend + "
+                                "depth−1 steps, averaged) + measured mean overhead)",
+                   "offline": "teacher-forced depth-k chain (topk 1); a tree (--topk > 1) usually accepts more"},
+    }
+    write_outputs(cfg.out, summary, rows)
+    return summary
+
+
+def write_outputs(out: str, summary: dict, rows: list[dict]) -> None:
+    """summary.json, metrics.jsonl (one line a prompt), accept.png, manifest.json (files + sha256)."""
+    from draftport.study import plots
+
+    os.makedirs(out, exist_ok=True)
+    lines = "".join(json.dumps(r) + "\n" for r in rows)
+    atomic_write_bytes(os.path.join(out, "metrics.jsonl"), lines.encode("utf-8"))
+    if summary["cycles"]:
+        k = summary["config"]["engine"]["depth"]
+        plots.plot_acceptance(summary["per_position_accept"], summary["accept_hist"], os.path.join(out, "accept.png"),
+                              accept_len=summary["accept_len"],
+                              title=f"{os.path.basename(str(summary['config']['drafter']).rstrip('/'))}, depth {k}")
+    atomic_write_json(os.path.join(out, "summary.json"), summary)
+    files = [f for f in ("summary.json", "metrics.jsonl", "accept.png") if os.path.exists(os.path.join(out, f))]
+    atomic_write_json(os.path.join(out, "manifest.json"), {
+        "verb": "eval", "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "files": [{"file": f, "bytes": os.path.getsize(os.path.join(out, f)),
+                   "sha256": sha256_file(os.path.join(out, f))} for f in files]})
+
+
+def _fmt(v, spec: str = "{:.2f}") -> str:
+    return "–" if v is None else spec.format(v)
+
+
+def render_eval(summary: dict, console) -> None:
+    from rich.table import Table
+
+    t = Table(title=f"eval: {summary['num_prompts']} prompts, {summary['cycles']} cycles, "
+                    f"depth {summary['config']['engine']['depth']}, topk {summary['config']['engine']['topk']}")
+    t.add_column("figure")
+    t.add_column("value", justify="right")
+    iso = summary["isolated_ms"]
+    for name, value in [
+        ("τ online (tokens per cycle)", _fmt(summary["accept_len"], "{:.3f}")),
+        (f"τ offline ({summary['offline_source']})", _fmt(summary["offline_accept_len"], "{:.3f}")),
+        ("  relative error", _fmt(summary["offline_rel_err"], "{:+.1%}")),
+        ("per-position acceptance", " ".join(f"{x:.2f}" for x in summary["per_position_accept"])),
+        ("tok/s speculative", _fmt(summary["tok_s"], "{:.1f}")),
+        ("tok/s no speculation", _fmt(summary["baseline_tok_s"], "{:.1f}")),
+        ("speedup", _fmt(summary["speedup"], "{:.2f}×")),
+        ("tok/s HF generate", _fmt(summary["hf_generate_tok_s"], "{:.1f}")),
+        ("tok/s predicted (offline τ, isolated steps)", _fmt(summary["predicted_tok_s"], "{:.1f}")),
+        ("  relative error", _fmt(summary["predicted_rel_err"], "{:+.1%}")),
+        *([("tok/s predicted by chain depth (best: " + str(summary["best_depth"]) + ")",
+            "  ".join(f"{r['depth']}: {r['tok_s']:.1f}" for r in summary["predicted_by_depth"]))]
+          if summary.get("predicted_by_depth") else []),
+        ("cycle: draft / verify / overhead ms", f"{_fmt(summary['draft_ms'])} / {_fmt(summary['verify_ms'])} / "
+                                                f"{_fmt(summary['overhead_ms'])}"),
+        ("isolated: decode step / verify / draft step / extend ms",
+         f"{iso['decode_step_ms']:.2f} / {iso['verify_ms']:.2f} / {iso['draft_step_ms']:.2f} / {iso['extend_ms']:.2f}"),
+        ("greedy match rate vs no speculation", _fmt(summary["match_rate"], "{:.4f}")),
+    ]:
+        t.add_row(name, value)
+    console.print(t)
+
+
+def main(cfg: EvalConfig) -> int:
+    from rich.console import Console
+
+    if cfg.out is None:
+        from draftport.cli import default_out
+
+        cfg.out = default_out("eval")
+    summary = run_eval(cfg)
+    if cfg.json:
+        print(json.dumps(summary))
+    else:
+        render_eval(summary, Console())
+        Console().print(f"wrote {os.path.join(cfg.out, 'summary.json')}")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# generate
+# ---------------------------------------------------------------------------------------------
+
+def run_generate(cfg: GenerateConfig, *, target=None, drafter=None) -> dict:
+    """One prompt through the engine (speculative with a drafter, plain without): text, ids, τ, tok/s."""
+    from draftport.data.conversations import ChatTemplate, Conversation, resolve_chat_template, stop_token_ids
+    from draftport.decode.engine import EngineConfig, SpecEngine
+
+    if not cfg.prompt:
+        raise DraftportError("--prompt is empty")
+    N = cfg.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
+    if target is None:
+        from draftport.model.target import load_target
+
+        target = load_target(cfg.target, device=cfg.device, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code)
+    if drafter is None and cfg.drafter is not None:
+        drafter = load_drafter_for(cfg.drafter, target)
+    ids = encode_prompts(target, [Conversation([{"role": "user", "content": cfg.prompt}])], cfg.chat_template, None)[0]
+    stops = stop_token_ids(target.tokenizer, cfg.chat_template, target.eos_token_ids)
+    ecfg = EngineConfig(depth=cfg.depth, topk=cfg.topk, num_draft_tokens=cfg.num_draft_tokens,
+                        temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed, fuse=cfg.fuse,
+                        sdpa=cfg.sdpa).resolved()
+    ecfg.max_len = len(ids) + N + max(ecfg.num_draft_tokens, ecfg.depth + 1, (ecfg.depth - 1) * ecfg.topk + 1) + 8
+    engine = SpecEngine(target, drafter, ecfg)
+    if engine.use_graphs:  # capture the graphs first so the reported rate is the decoding's own
+        engine.generate(ids, min(N, 3 * (ecfg.depth + 1)), stops)
+    r = engine.generate(ids, N, stops)
+    text = target.tokenizer.decode(r.token_ids, skip_special_tokens=True)
+    template = resolve_chat_template(target.tokenizer, cfg.chat_template)
+    for s in (template.stop_strings if isinstance(template, ChatTemplate) else ()):
+        text = text.split(s)[0]  # a base model runs on into the next "User:" turn; the engine stops on ids only
+    return {"text": text, "token_ids": r.token_ids, "accept_len": r.accept_len if drafter is not None else 1.0,
+            "tok_s": decode_rate(len(r.token_ids) - 1, r.timings.total_s - r.timings.prefill_s),
+            "cycles": r.cycles, "prompt_tokens": len(ids), "speculative": drafter is not None,
+            "engine": {"fused": engine.fused is not None, "sdpa": engine.cfg.sdpa, "cuda_graphs": engine.use_graphs,
+                       "sdpa_choices": engine.sdpa_choices()}}
+
+
+def generate_main(cfg: GenerateConfig) -> int:
+    from rich.console import Console
+
+    res = run_generate(cfg)
+    if cfg.json:
+        print(json.dumps(res))
+        return 0
+    sys.stdout.write(res["text"].rstrip("\n") + "\n")
+    sys.stdout.flush()
+    mode = "speculative" if res["speculative"] else "no speculation"
+    Console().print(f"[dim]{mode}: τ = {res['accept_len']:.2f} tokens/cycle over {res['cycles']} cycles, "
+                               f"{_fmt(res['tok_s'], '{:.1f}')} tok/s[/dim]")
+    return 0

@@ -1,0 +1,1 @@
+"""model: the EAGLE-3 drafter, its vocabulary map, checkpoint layouts, the target wrapper and fused regions."""

@@ -1,0 +1,1 @@
+"""study: probes, multi-run studies, reports, plots and the demo."""

@@ -1,0 +1,333 @@
+"""`draftport probe`: will a drafter trained for target A transfer to target B? Measured before any training.
+
+Three answers, all on the same token sequences:
+1. Tokenizer identity. A drafter indexes the target's vocabulary (embedding, d2t/t2d, lm_head rows),
+   so A and B must tokenize every probe text to the same ids; otherwise the probe refuses in one line.
+2. Per aux layer (the layers the drafter is fed on each target — `compat.capture_layers` — or the
+   default [2, L//2, L-3] without a drafter): mean and 5th-percentile cosine similarity of h_A(t) and
+   h_B(t) over tokens, linear CKA (centered, on token features) and the norm ratio
+   mean ||h_B|| / mean ||h_A|| (fc reads raw states, so a scale change alone hurts a plugged-in drafter).
+3. Plug-in τ: the offline acceptance length of drafter DA when fed B's hidden states and verified
+   against B's own predictions, next to its τ on A (the same computation on A's states).
+
+Hidden states go through two capture stores (`<out>/store-a`, `<out>/store-b`, written by
+`capture.run_capture`, so a rerun reuses them), then both statistics stream over the stores, sample by
+sample, in float64. The first token of every sample is left out of the similarity: it is the attention
+sink, whose hidden state is tens of times larger than the rest and would dominate CKA and the norms.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from draftport.errors import DraftportError, bad_input
+from draftport.safeio import atomic_write_json
+
+DEFAULT_SAMPLES = 64       # conversations compared (enough for stable CKA at H ≤ 8k; minutes on a CPU)
+DEFAULT_MAX_LEN = 256      # tokens per conversation
+DEFAULT_DEPTH = 3          # chain depth of the offline τ (SGLang's default chain: topk 1, 3 steps)
+SKIP_FIRST_TOKENS = 1      # attention-sink position left out of the similarity (see the module docstring)
+
+
+@dataclass
+class ProbeConfig:
+    target_a: str                      # target the drafter was trained for: HF dir, .gguf, 'gemma-3-270m'
+    target_b: str                      # the new target
+    data: str                          # sharegpt | mt-bench | humaneval | JSON/JSONL file: the probe texts
+    out: str                           # output directory (stores, summary.json, similarity.png)
+    drafter: str | None = None         # drafter trained for A: plug-in τ on B (None: similarity only)
+    max_samples: int | None = None     # conversations compared (None: 64)
+    max_len: int | None = None         # tokens per conversation (None: 256)
+    batch_size: int | None = None      # sequences per target forward (None: capture's default)
+    device: str | None = None          # cpu | cuda (None: cuda when available)
+    dtype: str | None = None           # bf16 | fp32 (None: bf16 on cuda, fp32 on cpu)
+    seed: int = 0                      # recorded in the stores (capture's seed)
+    chat_template: str | None = None   # named template (None: the tokenizer's own, else plain)
+    trust_remote_code: bool = False    # let the targets run their own modelling code
+    engine: str = "sglang"             # whose aux-id rule decides the drafter's layers (sglang | vllm)
+    depth: int = DEFAULT_DEPTH         # chain depth of the offline τ
+    restart: bool = False              # recapture both stores instead of reusing them
+    json: bool = False                 # print summary.json's object on stdout
+
+
+# ---------------------------------------------------------------------------------------------
+# Similarity math (pure functions, float64)
+
+
+def cosine_per_token(ha: torch.Tensor, hb: torch.Tensor, eps: float = 1e-12) -> torch.Tensor:
+    """ha, hb [N, H] -> [N] cosine of each token's pair of states."""
+    ha, hb = ha.double(), hb.double()
+    dots = (ha * hb).sum(-1)
+    return dots / (ha.norm(dim=-1) * hb.norm(dim=-1)).clamp_min(eps)
+
+
+def linear_cka(x: torch.Tensor, y: torch.Tensor) -> float:
+    """Linear CKA of token features x [N, Hx], y [N, Hy] (columns centred):
+    ||Yc^T Xc||_F^2 / (||Xc^T Xc||_F · ||Yc^T Yc||_F). 1 = same up to rotation and isotropic scale."""
+    x, y = x.double(), y.double()
+    x, y = x - x.mean(0), y - y.mean(0)
+    num = (y.T @ x).pow(2).sum()
+    den = (x.T @ x).norm() * (y.T @ y).norm()
+    return float(num / den) if den > 0 else float("nan")
+
+
+@dataclass
+class LayerStats:
+    """Streaming sufficient statistics of one layer pair: exact cosine quantiles, CKA and norms
+    without keeping the token features (Xc^T Yc = Σ x yᵀ − n·mean_x·mean_yᵀ)."""
+    hidden_a: int
+    hidden_b: int
+    n: int = 0
+    cosines: list = field(default_factory=list)     # float64 arrays, one per update
+    norm_a: float = 0.0                             # Σ ||h_A||
+    norm_b: float = 0.0                             # Σ ||h_B||
+    sum_a: torch.Tensor | None = None               # [Ha] Σ h_A
+    sum_b: torch.Tensor | None = None               # [Hb]
+    saa: torch.Tensor | None = None                 # [Ha, Ha] Σ h_A h_Aᵀ
+    sbb: torch.Tensor | None = None                 # [Hb, Hb]
+    sba: torch.Tensor | None = None                 # [Hb, Ha] Σ h_B h_Aᵀ
+
+    def update(self, ha: torch.Tensor, hb: torch.Tensor) -> None:
+        """ha [N, Ha], hb [N, Hb]: the same N tokens on A and on B."""
+        if ha.shape[0] != hb.shape[0]:
+            raise ValueError(f"token counts differ: {ha.shape[0]} vs {hb.shape[0]}")
+        a, b = ha.double(), hb.double()
+        if self.sum_a is None:
+            self.sum_a, self.sum_b = torch.zeros(self.hidden_a, dtype=torch.float64), torch.zeros(self.hidden_b, dtype=torch.float64)
+            self.saa = torch.zeros(self.hidden_a, self.hidden_a, dtype=torch.float64)
+            self.sbb = torch.zeros(self.hidden_b, self.hidden_b, dtype=torch.float64)
+            self.sba = torch.zeros(self.hidden_b, self.hidden_a, dtype=torch.float64)
+        self.n += a.shape[0]
+        if self.hidden_a == self.hidden_b:
+            self.cosines.append(cosine_per_token(a, b).numpy())
+        self.norm_a += float(a.norm(dim=-1).sum())
+        self.norm_b += float(b.norm(dim=-1).sum())
+        self.sum_a += a.sum(0)
+        self.sum_b += b.sum(0)
+        self.saa += a.T @ a
+        self.sbb += b.T @ b
+        self.sba += b.T @ a
+
+    def result(self) -> dict:
+        """{cosine_mean, cosine_p5, cka, norm_ratio, tokens} (cosines None when widths differ)."""
+        if self.n == 0:
+            raise DraftportError("no tokens to compare (every probe sample was a single token)")
+        ma, mb = self.sum_a / self.n, self.sum_b / self.n
+        caa = self.saa - self.n * torch.outer(ma, ma)
+        cbb = self.sbb - self.n * torch.outer(mb, mb)
+        cba = self.sba - self.n * torch.outer(mb, ma)
+        den = caa.norm() * cbb.norm()
+        cka = float(cba.pow(2).sum() / den) if den > 0 else float("nan")
+        cos = np.concatenate(self.cosines) if self.cosines else None
+        return {"cosine_mean": None if cos is None else float(cos.mean()),
+                "cosine_p5": None if cos is None else float(np.percentile(cos, 5)),
+                "cka": min(cka, 1.0),  # Cauchy–Schwarz bounds it by 1; rounding can step past
+                "norm_ratio": self.norm_b / self.norm_a if self.norm_a > 0 else float("nan"),
+                "tokens": self.n}
+
+
+def layer_key(layer_a: int, layer_b: int) -> str:
+    """summary.json key of a layer pair: "12", or "12:14" when B feeds the drafter another layer."""
+    return str(layer_a) if layer_a == layer_b else f"{layer_a}:{layer_b}"
+
+
+def store_similarity(store_a, store_b, skip_first: int = SKIP_FIRST_TOKENS) -> dict[str, dict]:
+    """Per aux layer pair: similarity of two stores captured on the same token sequences."""
+    if len(store_a) != len(store_b):
+        raise DraftportError(f"the two stores hold {len(store_a)} and {len(store_b)} samples", store_b.path)
+    la, lb = store_a.aux_layers, store_b.aux_layers
+    if len(la) != len(lb):
+        raise DraftportError(f"{len(la)} aux layers on A vs {len(lb)} on B", store_b.path)
+    Ha, Hb = store_a.hidden_size, store_b.hidden_size
+    stats = [LayerStats(Ha, Hb) for _ in la]
+    for i in range(len(store_a)):
+        sa, sb = store_a[i], store_b[i]
+        if not torch.equal(sa["input_ids"], sb["input_ids"]):
+            raise DraftportError(f"sample {i} has different token ids in the two stores", store_b.path)
+        aux_a, aux_b = sa["aux"][skip_first:], sb["aux"][skip_first:]
+        for j, st in enumerate(stats):
+            st.update(aux_a[:, j * Ha:(j + 1) * Ha], aux_b[:, j * Hb:(j + 1) * Hb])
+    return {layer_key(a, b): st.result() for a, b, st in zip(la, lb, stats)}
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenizers
+
+
+def check_tokenizers(tok_a, tok_b, conv_texts: list | None = None,
+                     where: str = "target-b", chat_template: str | None = None, max_len: int | None = None) -> int:
+    """Refuse (one line) unless A and B share the vocabulary and give the same ids on the probe texts.
+    Returns the number of texts compared."""
+    from draftport.data import conversations as data_mod
+
+    va, vb = tok_a.get_vocab(), tok_b.get_vocab()
+    if len(va) != len(vb):
+        raise DraftportError(f"tokenizers differ: {len(va)} tokens in A's vocabulary vs {len(vb)} in B's; a drafter "
+                             "for A indexes A's vocabulary", where)
+    if va != vb:
+        diff = sorted(k for k in va if vb.get(k) != va[k])[:3]
+        raise DraftportError(f"tokenizers differ: same size but different ids for {len(diff)}+ tokens (e.g. "
+                             f"{', '.join(repr(d) for d in diff)})", where)
+    n = 0
+    for i, conv in enumerate(conv_texts or []):
+        ia, _ = data_mod.tokenize_conversation(tok_a, conv, chat_template=chat_template, max_len=max_len)
+        ib, _ = data_mod.tokenize_conversation(tok_b, conv, chat_template=chat_template, max_len=max_len)
+        ia, ib = ia.tolist(), ib.tolist()
+        if ia != ib:
+            at = next((t for t, (x, y) in enumerate(zip(ia, ib)) if x != y), min(len(ia), len(ib)))
+            raise DraftportError(f"tokenizers differ: probe text {i} tokenizes differently from token {at} on "
+                                 "(same vocabulary, different rules or chat template)", where)
+        n += 1
+    return n
+
+
+# ---------------------------------------------------------------------------------------------
+# The verb
+
+
+def resolve_target(name: str, cfg, aux_layers=None):
+    """Load a target by --target-a/--target-b value (capture's loader: tiny-* names build test models)."""
+    from draftport.train.capture import CaptureConfig
+    from draftport.train.capture import resolve_target as capture_resolve
+
+    target, _ = capture_resolve(CaptureConfig(target=name, data="", out="", device=cfg.device, dtype=cfg.dtype,
+                                              aux_layers=aux_layers, trust_remote_code=cfg.trust_remote_code))
+    return target
+
+
+def drafter_layers(drafter_spec, target_spec, engine: str) -> list[int]:
+    """The layers `engine` feeds this drafter on this target (THE mapping, compat.capture_layers)."""
+    from draftport.check.compat import capture_layers
+
+    return capture_layers(drafter_spec, target_spec, engine)
+
+
+def set_aux_layers(target, layers: list[int], where: str) -> None:
+    """Tap `layers` on this target from now on (capture and the offline τ read target.aux_layers)."""
+    bad = [i for i in layers if not 0 <= int(i) <= target.num_layers]
+    if bad:
+        raise DraftportError(f"the drafter would be fed layers {bad}, which a {target.num_layers}-layer target "
+                             "does not have", where)
+    target.aux_layers = [int(i) for i in layers]
+
+
+def offline_tau(drafter_path: str, store, target, depth: int) -> dict:
+    """Offline τ (offline.offline_accept_len) of the drafter on a store of `target`'s states, verified by
+    `target`'s own head. The drafter reads `target`'s embedding unless its checkpoint carries one: behind
+    B an engine shares B's embedding with the drafter, and that is what a plug-in gets."""
+    from draftport.decode.evaluate import load_drafter_for
+    from draftport.decode.offline import offline_accept_len
+
+    drafter = load_drafter_for(drafter_path, target)
+    return offline_accept_len(drafter, store, target=target, depth=depth, aux_layers=target.aux_layers)
+
+
+def _capture_store(cfg: ProbeConfig, name: str, target, out: str, console: Console):
+    from draftport.train.capture import CaptureConfig, run_capture
+    from draftport.data.store import Store
+
+    ccfg = CaptureConfig(target=name, data=cfg.data, out=out, max_samples=cfg.max_samples or DEFAULT_SAMPLES,
+                         max_len=cfg.max_len or DEFAULT_MAX_LEN, batch_size=cfg.batch_size, aux_layers=target.aux_layers,
+                         chat_template=cfg.chat_template, device=str(target.device),
+                         dtype="bf16" if target.dtype == torch.bfloat16 else "fp32", seed=cfg.seed,
+                         restart=cfg.restart, trust_remote_code=cfg.trust_remote_code)
+    run_capture(ccfg, target=target, console=console)
+    return Store(out)
+
+
+def run_probe(cfg: ProbeConfig, target_a=None, target_b=None, console: Console | None = None) -> dict:
+    """The whole verb; returns summary.json's object. Targets may be passed in (already loaded)."""
+    from draftport.data import conversations as data_mod
+    from draftport.check.spec import load_drafter_spec
+
+    console = console or Console(stderr=True)
+    if cfg.engine not in ("sglang", "vllm"):
+        raise DraftportError(f"unknown engine {cfg.engine!r} (sglang or vllm)")
+    if cfg.depth < 1:
+        raise DraftportError(f"--depth must be at least 1, got {cfg.depth}")
+    if os.path.exists(cfg.out) and not os.path.isdir(cfg.out):
+        raise bad_input(cfg.out, "--out exists and is not a directory")
+    os.makedirs(cfg.out, exist_ok=True)
+    dspec = load_drafter_spec(cfg.drafter) if cfg.drafter is not None else None
+    with console.status("loading targets"):
+        target_a = target_a or resolve_target(cfg.target_a, cfg)
+        target_b = target_b or resolve_target(cfg.target_b, cfg)
+    if target_a.vocab_size != target_b.vocab_size:
+        raise DraftportError(f"vocabularies differ: A's output head has {target_a.vocab_size} rows, B's "
+                             f"{target_b.vocab_size}", cfg.target_b)
+    if dspec is not None and target_a.hidden_size != target_b.hidden_size:
+        raise DraftportError(f"hidden sizes differ (A {target_a.hidden_size}, B {target_b.hidden_size}): a drafter "
+                             "for A cannot read B's states", cfg.target_b)
+
+    max_len = cfg.max_len or DEFAULT_MAX_LEN
+    convs = data_mod.load_conversations(cfg.data, max_samples=cfg.max_samples or DEFAULT_SAMPLES)
+    if not convs:
+        raise bad_input(cfg.data, "no conversations to probe with")
+    n_texts = check_tokenizers(target_a.tokenizer, target_b.tokenizer, conv_texts=convs, where=cfg.target_b,
+                               chat_template=cfg.chat_template, max_len=max_len)
+
+    if dspec is not None:
+        layers_a = drafter_layers(dspec, target_a.spec, cfg.engine)
+        layers_b = drafter_layers(dspec, target_b.spec, cfg.engine)
+    else:
+        from draftport.check.spec import default_aux_layers
+
+        layers_a, layers_b = default_aux_layers(target_a.num_layers), default_aux_layers(target_b.num_layers)
+    set_aux_layers(target_a, layers_a, cfg.target_a)
+    set_aux_layers(target_b, layers_b, cfg.target_b)
+
+    store_a = _capture_store(cfg, cfg.target_a, target_a, os.path.join(cfg.out, "store-a"), console)
+    store_b = _capture_store(cfg, cfg.target_b, target_b, os.path.join(cfg.out, "store-b"), console)
+    if store_a.config.get("data_sha256") != store_b.config.get("data_sha256"):
+        raise DraftportError("the two stores hold different token sequences (tokenizers or templates differ)",
+                             store_b.path)
+    with console.status("comparing hidden states"):
+        similarity = store_similarity(store_a, store_b)
+
+    summary = {"target_a": cfg.target_a, "target_b": cfg.target_b, "data": cfg.data, "drafter": cfg.drafter,
+               "layers_a": list(layers_a), "layers_b": list(layers_b), "engine": cfg.engine,
+               "tokenizer_identical": True, "texts_compared": n_texts, "samples": len(store_a),
+               "tokens_compared": next(iter(similarity.values()))["tokens"], "similarity": similarity,
+               "plugin_accept_len": None, "accept_len_a": None, "depth": cfg.depth, "out": cfg.out}
+    if dspec is not None:
+        with console.status("offline τ of the drafter on A, then plugged into B"):
+            on_a = offline_tau(cfg.drafter, store_a, target_a, cfg.depth)
+            on_b = offline_tau(cfg.drafter, store_b, target_b, cfg.depth)
+        summary.update(accept_len_a=on_a["accept_len"], plugin_accept_len=on_b["accept_len"],
+                       per_position_a=on_a.get("per_position"), per_position_plugin=on_b.get("per_position"))
+    from draftport.study.plots import plot_layer_similarity
+
+    summary["plot"] = os.path.basename(plot_layer_similarity(similarity, os.path.join(cfg.out, "similarity.png")))
+    atomic_write_json(os.path.join(cfg.out, "summary.json"), summary)
+    return summary
+
+
+def render(summary: dict, console: Console) -> None:
+    t = Table(title=f"hidden-state similarity, A = {summary['target_a']}, B = {summary['target_b']} "
+                    f"({summary['tokens_compared']:,} tokens)")
+    for col in ("layer", "cosine mean", "cosine p5", "linear CKA", "norm ratio B/A"):
+        t.add_column(col, justify="right")
+    fmt = lambda v: "–" if v is None else f"{v:.4f}"  # noqa: E731
+    for layer, s in summary["similarity"].items():
+        t.add_row(layer, fmt(s["cosine_mean"]), fmt(s["cosine_p5"]), fmt(s["cka"]), fmt(s["norm_ratio"]))
+    console.print(t)
+    if summary.get("plugin_accept_len") is not None:
+        console.print(f"offline τ (depth {summary['depth']}) of the drafter on A: {summary['accept_len_a']:.3f}; "
+                      f"plugged into B: [bold]{summary['plugin_accept_len']:.3f}[/bold]")
+    console.print(f"summary → {os.path.join(summary['out'], 'summary.json')}")
+
+
+def main(cfg: ProbeConfig) -> int:
+    summary = run_probe(cfg)
+    if cfg.json:
+        print(json.dumps(summary))
+    else:
+        render(summary, Console())
+    return 0

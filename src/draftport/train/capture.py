@@ -1,0 +1,396 @@
+"""`draftport capture`: run the target over (optionally regenerated) conversations into a store.
+
+Order and resume. Samples keep the order `data.load_conversations` gives (after dropping those with
+no assistant token left after truncation), so sample i of the store is stable. Shard boundaries are
+fixed up front from the token counts (~`shard_tokens` per shard); inside one shard the samples are
+sorted by length and batched (little padding), then written back in store order. Everything that
+decides the content is in the manifest's config; rerunning the same command in the same --out
+skips the committed shards and continues, so every sample lands exactly once. A different config is
+refused (--restart starts over).
+
+Regeneration (`--regenerate`) runs in chunks of REGEN_CHUNK prompts, each saved under
+<out>/regenerated/ as it completes, so a kill during generation loses at most one chunk and a rerun
+reuses the saved text instead of generating it again.
+
+Test hook: the environment variable DRAFTPORT_TEST_SLOW_SHARD_S=<seconds> makes capture wait that
+long after each shard is committed, so a test can kill the process between shards.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, Progress, ProgressColumn, TextColumn, TimeRemainingColumn
+from rich.text import Text
+
+from draftport.errors import DraftportError, bad_input
+from draftport.safeio import atomic_write_json, read_json
+from draftport.data.store import MANIFEST, StoreWriter, bytes_per_token, clear_store, config_mismatch
+
+DEFAULT_MAX_LEN = 2048
+DEFAULT_BATCH = 8
+SHARD_BYTES = 256 << 20  # default shard size: a few in flight overlap the disk with compute; a kill loses little
+REGEN_CHUNK = 64       # prompts per saved regeneration chunk
+REGEN_DIR = "regenerated"
+REGEN_FILE = "regenerated.jsonl"
+TINY_TARGETS = {"tiny-llama": "llama", "tiny-qwen2": "qwen2", "tiny-gemma3": "gemma3"}
+# what must be equal to resume; "request" keys come straight from the flags (checked before the
+# target loads), the rest are derived from the target and the data
+REQUEST_KEYS = ("target", "data", "max_samples", "max_len", "chat_template", "regenerate", "samples_per_prompt",
+                "max_new_tokens", "temperature", "seed", "dtype", "regen_batch_size")
+IDENTITY = REQUEST_KEYS + ("aux_layers", "hidden_size", "shard_tokens", "data_sha256", "expected_samples")
+
+
+@dataclass
+class CaptureConfig:
+    target: str                        # HF model dir, .gguf, 'gemma-3-270m', or tiny-llama / tiny-qwen2 / tiny-gemma3
+    data: str                          # sharegpt | mt-bench | humaneval | a JSON/JSONL file
+    out: str                           # store directory (created; resumed when it holds a manifest)
+    max_samples: int | None = None     # first N conversations (before regeneration fans out)
+    max_len: int | None = None         # tokens per sample, truncated (None: 2048)
+    batch_size: int | None = None      # sequences per target forward (None: 8)
+    aux_layers: list[int] | None = None  # "input of decoder layer i" ids (None: the target's default [2, L//2, L-3])
+    regenerate: bool = False           # replace assistant turns with the target's own responses first
+    samples_per_prompt: int = 1        # regeneration: responses per prompt
+    save_data: str | None = None       # also write the captured conversations (JSONL, `messages`) here
+    max_new_tokens: int | None = None  # regeneration: tokens per response (None: data.regenerate's default)
+    temperature: float = 0.0           # regeneration: 0 = greedy
+    regen_batch_size: int | None = None  # regeneration: prompts per batched generate (None: --batch-size);
+                                         # generation is host-bound per step, so GPUs want hundreds
+    chat_template: str | None = None   # named template; None: the tokenizer's own, else plain
+    device: str | None = None          # cpu | cuda (None: cuda when available)
+    dtype: str | None = None           # target compute dtype bf16 | fp32 (None: bf16 on cuda, fp32 on cpu)
+    seed: int = 0                      # regeneration sampling seed (recorded in the manifest)
+    restart: bool = False              # delete the store in --out and start over
+    shard_tokens: int | None = None    # tokens per shard (None: about 256 MiB of shard)
+    trust_remote_code: bool = False    # let the target run its own modelling code
+    json: bool = False                 # print the summary as one JSON object on stdout
+
+
+class _Rate(ProgressColumn):
+    def __init__(self, unit: str):
+        super().__init__()
+        self.unit = unit
+
+    def render(self, task) -> Text:
+        rate = task.completed / task.elapsed if task.elapsed else 0.0
+        return Text(f"{rate:,.0f} {self.unit}/s", style="progress.data.speed")
+
+
+def _progress(console: Console, unit: str = "tok") -> Progress:
+    return Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed:,}/{task.total:,}"),
+                    _Rate(unit), TimeRemainingColumn(), console=console)
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
+        n /= 1000
+    return f"{n} B"
+
+
+def resolve_target(cfg: CaptureConfig):
+    """Load the target named by --target (tiny-* names build a tiny random model for tests)."""
+    from draftport.model import target as target_mod
+
+    device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise DraftportError("--device cuda asked for, but no CUDA device is available")
+    dtype = cfg.dtype or ("bf16" if device.startswith("cuda") else "fp32")
+    if cfg.target in TINY_TARGETS:  # load_target takes real models only; tests and demos name tiny ones
+        return target_mod.tiny_target(TINY_TARGETS[cfg.target], seed=0, aux_layers=cfg.aux_layers,
+                                      device=device, dtype=dtype), dtype
+    return target_mod.load_target(cfg.target, device=device, dtype=dtype, aux_layers=cfg.aux_layers,
+                                  trust_remote_code=cfg.trust_remote_code), dtype
+
+
+def _name_or_abspath(x: str) -> str:
+    return os.path.abspath(x) if os.path.exists(x) else x
+
+
+def request_config(cfg: CaptureConfig) -> dict:
+    """The flag-level part of the identity (comparable before anything loads)."""
+    device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    return {"target": _name_or_abspath(cfg.target), "data": _name_or_abspath(cfg.data),
+            "max_samples": cfg.max_samples, "max_len": cfg.max_len or DEFAULT_MAX_LEN,
+            "chat_template": cfg.chat_template or "auto", "regenerate": bool(cfg.regenerate),
+            "samples_per_prompt": cfg.samples_per_prompt if cfg.regenerate else 1,
+            "max_new_tokens": cfg.max_new_tokens if cfg.regenerate else None,
+            "temperature": cfg.temperature if cfg.regenerate else None, "seed": cfg.seed,
+            "regen_batch_size": (cfg.regen_batch_size or cfg.batch_size or DEFAULT_BATCH) if cfg.regenerate else None,
+            "dtype": cfg.dtype or ("bf16" if device.startswith("cuda") else "fp32")}
+
+
+def _refuse_if_different(out: str, request: dict) -> None:
+    mpath = os.path.join(out, MANIFEST)
+    if os.path.exists(mpath):
+        old = read_json(mpath).get("config")
+        mismatch = config_mismatch(old if isinstance(old, dict) else {}, request, REQUEST_KEYS)
+        if mismatch:
+            raise DraftportError(f"holds a capture made with a different config ({mismatch}); "
+                                 "rerun with --restart to start over, or use another --out", out)
+
+
+# ------------------------------------------------------------------------------------------- data
+
+def load_data(cfg: CaptureConfig, target, request: dict, console: Console) -> list:
+    """The conversations to capture: loaded, or regenerated chunk by chunk (reusing saved chunks)."""
+    from draftport.data import conversations as data_mod
+
+    convs = data_mod.load_conversations(cfg.data, max_samples=cfg.max_samples)
+    if not cfg.regenerate:
+        return list(convs)
+    regen_dir = os.path.join(cfg.out, REGEN_DIR)
+    os.makedirs(regen_dir, exist_ok=True)
+    meta_path = os.path.join(regen_dir, "request.json")
+    if os.path.exists(meta_path):
+        mismatch = config_mismatch(read_json(meta_path), request, REQUEST_KEYS)
+        if mismatch:
+            raise DraftportError(f"holds regenerated data made with a different config ({mismatch}); "
+                                 "rerun with --restart to start over", regen_dir)
+    else:
+        atomic_write_json(meta_path, request)
+    out = []
+    # a saved chunk holds at least one generate batch (chunking and batching decide the greedy text:
+    # left padding changes the numerics, so both are part of the request)
+    chunk = max(REGEN_CHUNK, request["regen_batch_size"])
+    chunks = range(0, len(convs), chunk)
+    with _progress(console, unit="prompt") as progress:
+        task = progress.add_task("regenerating", total=len(convs))
+        for ci, s in enumerate(chunks):
+            path = os.path.join(regen_dir, f"chunk-{ci:05d}.jsonl")
+            if not os.path.exists(path):
+                part = data_mod.regenerate(target, convs[s:s + chunk], samples_per_prompt=cfg.samples_per_prompt,
+                                           max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+                                           seed=cfg.seed + ci, batch_size=request["regen_batch_size"],
+                                           chat_template=cfg.chat_template, max_len=request["max_len"])
+                data_mod.save_conversations(path, part)  # atomic: a chunk file is whole or absent
+            # always the saved text, so a fresh run and a resumed one tokenize exactly the same data
+            out.extend(data_mod.load_conversations(path, quiet=True))
+            progress.update(task, advance=len(convs[s:s + chunk]))
+    data_mod.save_conversations(os.path.join(cfg.out, REGEN_FILE), out)
+    return out
+
+
+def tokenize_all(tokenizer, convs, chat_template, max_len, console: Console):
+    """-> (ids: list[int32 array], masks: list[uint8 array], skipped). Drops samples with no loss token."""
+    from draftport.data import conversations as data_mod
+
+    ids, masks, skipped = [], [], 0
+    with _progress(console, unit="conv") as progress:
+        task = progress.add_task("tokenizing", total=len(convs))
+        for conv in convs:
+            x, m = data_mod.tokenize_conversation(tokenizer, conv, chat_template=chat_template, max_len=max_len)
+            x, m = x.numpy().astype(np.int32), m.numpy().astype(np.uint8)
+            if len(x) < 2 or not m.any():
+                skipped += 1
+            else:
+                ids.append(x)
+                masks.append(m)
+            progress.advance(task)
+    return ids, masks, skipped
+
+
+def data_fingerprint(ids, masks) -> str:
+    """sha256 over every sample's length, ids and mask: changed data (or tokenizer) → another hash."""
+    h = hashlib.sha256()
+    for x, m in zip(ids, masks):
+        h.update(np.int64(len(x)).tobytes())
+        h.update(x.tobytes())
+        h.update(m.tobytes())
+    return h.hexdigest()
+
+
+def plan_shards(lengths: list[int], shard_tokens: int) -> list[tuple[int, int]]:
+    """Consecutive sample ranges [a, b) of about shard_tokens tokens (at least one sample each)."""
+    out, a, acc = [], 0, 0
+    for i, n in enumerate(lengths):
+        acc += n
+        if acc >= shard_tokens:
+            out.append((a, i + 1))
+            a, acc = i + 1, 0
+    if a < len(lengths):
+        out.append((a, len(lengths)))
+    return out
+
+
+def length_batches(lengths: list[int], batch_size: int) -> list[list[int]]:
+    """Indices grouped into batches of similar length, longest first (an OOM shows up at once)."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    return [order[s:s + batch_size] for s in range(0, len(order), batch_size)]
+
+
+# ---------------------------------------------------------------------------------------- capture
+
+def launch_batch(target, ids: list[np.ndarray], pad_id: int):
+    """Start one right-padded forward pass; returns (aux [B,T,n·H], last [B,T,H], event) on the host.
+
+    On CUDA the results go to pinned host memory with non-blocking copies and `event` marks their
+    arrival, so the caller can launch the next batch before waiting (`collect_batch`): the device
+    then never idles while the host slices samples or writes shards."""
+    B, T = len(ids), max(len(x) for x in ids)
+    input_ids = torch.full((B, T), pad_id, dtype=torch.long)
+    attn = torch.zeros(B, T, dtype=torch.long)
+    for b, x in enumerate(ids):
+        input_ids[b, :len(x)] = torch.from_numpy(x.astype(np.int64))
+        attn[b, :len(x)] = 1
+    with torch.inference_mode():
+        out = target.forward(input_ids.to(target.device), attention_mask=attn.to(target.device), with_logits=False)
+        aux, last = out.aux.to(torch.bfloat16), out.last_hidden.to(torch.bfloat16)
+        if aux.device.type != "cuda":
+            return aux.cpu(), last.cpu(), None
+        aux_h = torch.empty(aux.shape, dtype=aux.dtype, pin_memory=True)
+        last_h = torch.empty(last.shape, dtype=last.dtype, pin_memory=True)
+        aux_h.copy_(aux, non_blocking=True)
+        last_h.copy_(last, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return aux_h, last_h, event
+
+
+def collect_batch(launched, ids: list[np.ndarray]) -> list[dict]:
+    """Wait for a launched batch; per-sample aux [T, n·H] / last_hidden [T, H] (bf16, host) without padding."""
+    aux, last, event = launched
+    if event is not None:
+        event.synchronize()
+    return [{"aux": aux[b, :len(x)], "last_hidden": last[b, :len(x)]} for b, x in enumerate(ids)]
+
+
+def capture_shard(target, ids: list[np.ndarray], masks: list[np.ndarray], batch_size: int, pad_id: int,
+                  on_batch=None) -> list[dict]:
+    """Samples of one shard in store order, computed in length-sorted batches (one batch in flight)."""
+    states: list[dict | None] = [None] * len(ids)
+    pending = None
+    for batch in length_batches([len(x) for x in ids], batch_size) + [None]:
+        launched = None if batch is None else (batch, launch_batch(target, [ids[j] for j in batch], pad_id))
+        if pending is not None:
+            done, handle = pending
+            for j, st in zip(done, collect_batch(handle, [ids[j] for j in done])):
+                states[j] = {"input_ids": torch.from_numpy(ids[j]), "loss_mask": torch.from_numpy(masks[j]), **st}
+            if on_batch is not None:
+                on_batch(sum(len(ids[j]) for j in done))
+        pending = launched
+    return states
+
+
+def run_capture(cfg: CaptureConfig, target=None, console: Console | None = None) -> dict:
+    """The whole verb; returns the summary dict (also written to <out>/summary.json)."""
+    console = console or Console(stderr=True)
+    if cfg.max_len is not None and cfg.max_len < 2:
+        raise DraftportError(f"--max-len must be at least 2, got {cfg.max_len}")
+    if any(b is not None and b < 1 for b in (cfg.batch_size, cfg.regen_batch_size)) or cfg.samples_per_prompt < 1:
+        raise DraftportError("--batch-size, --regen-batch-size and --samples-per-prompt must be at least 1")
+    if cfg.shard_tokens is not None and cfg.shard_tokens < 1:
+        raise DraftportError(f"--shard-tokens must be at least 1, got {cfg.shard_tokens}")
+    out = cfg.out
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise bad_input(out, "--out exists and is not a directory")
+    os.makedirs(out, exist_ok=True)
+    request = request_config(cfg)
+    if cfg.restart:
+        clear_store(out)
+        shutil.rmtree(os.path.join(out, REGEN_DIR), ignore_errors=True)
+        for name in (REGEN_FILE, "summary.json"):
+            if os.path.exists(os.path.join(out, name)):
+                os.unlink(os.path.join(out, name))
+    _refuse_if_different(out, request)
+
+    if target is None:
+        with console.status(f"loading target {cfg.target}"):
+            target, _ = resolve_target(cfg)
+    aux_layers = [int(a) for a in target.aux_layers]
+    # a target passed in by a caller decides the compute dtype, whatever the flags said
+    request["dtype"] = {torch.bfloat16: "bf16", torch.float32: "fp32"}.get(target.dtype, str(target.dtype))
+    max_len = request["max_len"]
+    from draftport.data.conversations import resolve_chat_template, save_conversations
+
+    # an unknown template name fails here, before any regeneration or tokenization
+    template_name = getattr(resolve_chat_template(target.tokenizer, cfg.chat_template), "name", None)
+    convs = load_data(cfg, target, request, console)
+    if cfg.save_data:
+        save_conversations(cfg.save_data, convs)
+    ids, masks, skipped = tokenize_all(target.tokenizer, convs, cfg.chat_template, max_len, console)
+    if not ids:
+        raise bad_input(cfg.data, f"no usable samples: all {len(convs)} conversations are empty or have no "
+                                  f"assistant tokens within --max-len {max_len}")
+    lengths = [len(x) for x in ids]
+    H, n_aux = int(target.hidden_size), len(aux_layers)
+    bpt = bytes_per_token(n_aux, H)
+    shard_tokens = cfg.shard_tokens or max(1, SHARD_BYTES // bpt)
+    spec = getattr(target, "spec", None)
+    config = {**request, "aux_layers": aux_layers, "hidden_size": H, "shard_tokens": shard_tokens,
+              "data_sha256": data_fingerprint(ids, masks), "expected_samples": len(ids),
+              "expected_tokens": int(sum(lengths)), "skipped_samples": skipped,
+              "num_layers": int(target.num_layers), "vocab_size": int(target.vocab_size),
+              "target_architecture": getattr(spec, "architecture", None),
+              "target_model_type": getattr(spec, "model_type", None), "storage_dtype": "bf16",
+              "chat_template_resolved": template_name,
+              "batch_size": cfg.batch_size or DEFAULT_BATCH, "device": str(target.device)}
+    writer = StoreWriter(out, config, identity=IDENTITY)
+    plan = plan_shards(lengths, shard_tokens)
+    starts = [a for a, _ in plan]
+    if writer.num_samples not in starts + [len(ids)]:
+        raise DraftportError(f"committed shards end at sample {writer.num_samples}, not a shard boundary of "
+                             "this config; rerun with --restart", out)
+    todo = [p for p in plan if p[0] >= writer.num_samples]
+    total, remaining = int(sum(lengths)), int(sum(lengths[writer.num_samples:]))
+    if skipped:
+        console.print(f"skipped {skipped} conversations with no assistant tokens within {max_len} tokens")
+    console.print(f"capture: {len(ids):,} samples, {total:,} tokens × {bpt:,} bytes/token "
+                  f"(2·({n_aux}+1)·{H} + 5) ≈ {human_bytes(total * bpt)} on disk, in {len(plan)} shards"
+                  + (f"; resuming at sample {writer.num_samples:,} ({remaining:,} tokens to go)"
+                     if writer.num_samples else ""))
+    if not todo:
+        console.print(f"the store in {out} is already complete; nothing to capture")
+    free = shutil.disk_usage(out).free
+    if remaining * bpt > free:
+        console.print(f"[yellow]warning: about {human_bytes(remaining * bpt)} still to write but only "
+                      f"{human_bytes(free)} free in {out}[/yellow]")
+
+    slow = float(os.environ.get("DRAFTPORT_TEST_SLOW_SHARD_S", "0") or 0)
+    batch_size = cfg.batch_size or DEFAULT_BATCH
+    pad_id = getattr(target.tokenizer, "pad_token_id", None)
+    pad_id = 0 if pad_id is None else int(pad_id)
+    t0, done = time.perf_counter(), 0
+    try:
+        with _progress(console) as progress:
+            task = progress.add_task("capturing", total=remaining)
+            for a, b in todo:
+                states = capture_shard(target, ids[a:b], masks[a:b], batch_size, pad_id,
+                                       on_batch=lambda n: progress.advance(task, n))
+                writer.submit(states)  # written by the writer threads while the next shard computes
+                done += sum(lengths[a:b])
+                if slow:  # test hook (module docstring): let a test kill us between committed shards
+                    writer.flush()
+                    time.sleep(slow)
+            writer.finish()
+    finally:
+        writer.close()
+    seconds = time.perf_counter() - t0
+    summary = {"out": out, "num_samples": writer.num_samples, "num_tokens": writer.num_tokens,
+               "bytes": writer.bytes + os.path.getsize(os.path.join(out, MANIFEST)),
+               "tokens_per_s": done / seconds if seconds > 0 and done else 0.0, "seconds": seconds,
+               "captured_tokens": done, "resumed_from_sample": writer.resumed_samples,
+               "num_shards": len(writer.shards), "skipped_samples": skipped, "aux_layers": aux_layers,
+               "bytes_per_token": bpt, "complete": True}
+    atomic_write_json(os.path.join(out, "summary.json"), summary)
+    console.print(f"captured {summary['num_samples']:,} samples, {summary['num_tokens']:,} tokens "
+                  f"({done:,} this run at {summary['tokens_per_s']:,.0f} tok/s), "
+                  f"{human_bytes(summary['bytes'])} on disk → {out}")
+    return summary
+
+
+def main(cfg: CaptureConfig) -> int:
+    summary = run_capture(cfg)
+    if cfg.json:
+        print(json.dumps(summary))
+    return 0

@@ -1,0 +1,197 @@
+"""eval / generate on a tiny target with a tiny trained drafter: speculative output == the no-speculation
+output (greedy fp32, chain and tree, several k), the summary's figures agree with each other, offline τ on
+the target's own outputs == online τ, and bad prompt files are one-line errors with exit code 2."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from test_offline import greedy, train_tiny_drafter
+
+PROMPTS = ["Hello, how are you today?", "def add(a, b):", "What is the capital of France?"]
+N = 24  # new tokens per prompt
+SUMMARY_KEYS = ("accept_len", "tok_s", "baseline_tok_s", "speedup", "predicted_tok_s", "hf_generate_tok_s",
+                "per_position_accept", "accept_hist", "draft_ms", "verify_ms", "overhead_ms", "cycle_ms",
+                "offline_accept_len", "offline_rel_err", "predicted_rel_err", "match_rate", "config", "cycles")
+
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny llama target and a drafter trained on its greedy answers to the first two prompts
+    (as eval encodes them: plain chat template), both also saved to disk for the CLI."""
+    from draftport.data.conversations import load_prompts
+    from draftport.decode.evaluate import encode_prompts
+    from draftport.model.target import tiny_target
+
+    root = tmp_path_factory.mktemp("eval")
+    prompts_file = root / "prompts.jsonl"
+    prompts_file.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    target = tiny_target("llama", seed=0)
+    ids = encode_prompts(target, load_prompts(str(prompts_file)), None, None)
+    drafter = train_tiny_drafter(target, [p + greedy(target, p, 40) for p in ids[:2]])
+    target.model.save_pretrained(root / "target")
+    target.tokenizer.save_pretrained(root / "target")
+    drafter.save_pretrained(root / "drafter", format="sglang")
+    return {"target": target, "drafter": drafter, "prompts": str(prompts_file), "ids": ids,
+            "target_dir": str(root / "target"), "drafter_dir": str(root / "drafter"), "root": root}
+
+
+def run(tiny, out, **kw):
+    from draftport.decode.evaluate import EvalConfig, run_eval
+
+    cfg = EvalConfig(target="tiny", drafter="tiny", prompts=tiny["prompts"], out=str(out), max_new_tokens=N,
+                     timing_repeats=2, no_hf_baseline=True, **kw)
+    return run_eval(cfg, target=tiny["target"], drafter=tiny["drafter"])
+
+
+@pytest.mark.parametrize("topk,depth,nodes", [(1, 2, None), (1, 4, None), (2, 3, 6)])
+def test_eval_is_lossless_and_its_figures_agree(tiny, tmp_path, topk, depth, nodes):
+    s = run(tiny, tmp_path, topk=topk, depth=depth, num_draft_tokens=nodes)
+    for key in SUMMARY_KEYS:
+        assert key in s, key
+    assert s["match_rate"] == 1.0 and s["exact_match_prompts"] == 1.0      # lossless, greedy fp32
+    k, cycles = depth, s["cycles"]
+    assert 1.0 < s["accept_len"] <= k + 1                                    # the drafter does accept something
+    hist = {int(t): c for t, c in s["accept_hist"].items()}
+    assert set(hist) == set(range(1, k + 2)) and sum(hist.values()) == cycles
+    assert sum(t * c for t, c in hist.items()) / cycles == pytest.approx(s["accept_len"])
+    pos = s["per_position_accept"]
+    assert len(pos) == k and all(0 <= a <= 1 for a in pos)
+    assert all(a >= b for a, b in zip(pos, pos[1:]))                        # draft j needs drafts < j
+    assert pos == pytest.approx([sum(c for t, c in hist.items() if t > j) / cycles for j in range(1, k + 1)])
+    assert 1.0 + sum(pos) == pytest.approx(s["accept_len"])
+    # offline on the target's own greedy outputs (chains simulated, trees replayed without verify
+    # passes): exact in fp32, per prompt and overall
+    assert s["offline_source"] == "baseline-outputs" and s["offline_mode"] == ("tree" if topk > 1 else "chain")
+    assert s["offline_accept_len"] == pytest.approx(s["accept_len"], abs=1e-12) and s["offline_rel_err"] == 0
+    for key in ("tok_s", "baseline_tok_s", "predicted_tok_s", "draft_ms", "verify_ms", "cycle_ms"):
+        assert s[key] > 0, key
+    assert s["speedup"] == pytest.approx(s["tok_s"] / s["baseline_tok_s"])
+    assert s["cycle_ms"] == pytest.approx(s["draft_ms"] + s["verify_ms"] + s["overhead_ms"])
+    assert s["predicted_rel_err"] == pytest.approx((s["predicted_tok_s"] - s["tok_s"]) / s["tok_s"])
+    if topk > 1:  # the depth table is the chain's (a tree's nodes are not a prefix of a deeper tree)
+        assert s["predicted_by_depth"] is None and s["best_depth"] is None
+    else:         # cut at its own depth the table is the prediction above; the best is its maximum
+        table = s["predicted_by_depth"]
+        assert [r["depth"] for r in table] == list(range(1, k + 1))
+        assert table[-1]["tok_s"] == pytest.approx(s["predicted_tok_s"])
+        assert table[-1]["accept_len"] == pytest.approx(s["offline_accept_len"])
+        assert s["best_depth"] == max(table, key=lambda r: r["tok_s"])["depth"]
+    assert s["hf_generate_tok_s"] is None                                   # skipped on request
+    # the files: summary.json is the returned summary, one metrics line a prompt, a PNG, checksums
+    assert json.loads((tmp_path / "summary.json").read_text()) == json.loads(json.dumps(s))
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == len(PROMPTS) and sum(r["cycles"] for r in rows) == cycles
+    assert all(r["match"] and r["new_tokens"] == N for r in rows)
+    assert all(r["offline_accept_len"] == pytest.approx(r["accept_len"]) for r in rows)
+    assert (tmp_path / "accept.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    from draftport.safeio import sha256_file
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert {f["file"] for f in manifest["files"]} == {"summary.json", "metrics.jsonl", "accept.png"}
+    assert all(sha256_file(tmp_path / f["file"]) == f["sha256"] for f in manifest["files"])
+
+
+def test_eval_offline_tau_from_a_store(tiny, tmp_path):
+    """--store: offline τ comes from the store (bf16 states of the greedy answers, so within 0.1 of the
+    online τ rather than equal); a store captured at other layers is refused naming the store."""
+    from draftport.errors import DraftportError
+    from draftport.data.store import StoreWriter
+    from test_offline import teacher_forced
+
+    target = tiny["target"]
+    samples = [teacher_forced(target, target.aux_layers, p, greedy(target, p, N + 2)) for p in tiny["ids"]]
+
+    def write(path, layers):
+        w = StoreWriter(str(path), {"target": "tiny", "hidden_size": target.hidden_size, "aux_layers": layers})
+        w.submit([{k: s[k] for k in ("input_ids", "loss_mask", "aux", "last_hidden")} for s in samples])
+        w.finish()
+        return str(path)
+
+    s = run(tiny, tmp_path / "out", store=write(tmp_path / "store", list(target.aux_layers)))
+    assert s["offline_source"] == "store"
+    assert abs(s["offline_accept_len"] - s["accept_len"]) <= 0.1
+    with pytest.raises(DraftportError, match="store"):
+        run(tiny, tmp_path / "out2", store=write(tmp_path / "store2", [1, 2, 3]))
+
+
+def test_cli_eval_json_and_generate(tiny, tmp_path, capsys):
+    from draftport.cli import main
+
+    out = tmp_path / "cli"
+    assert main(["eval", "--target", tiny["target_dir"], "--drafter", tiny["drafter_dir"], "--prompts",
+                 tiny["prompts"], "--max-new-tokens", "12", "--max-samples", "2", "--out", str(out), "--json",
+                 "--device", "cpu"]) == 0
+    s = json.loads(capsys.readouterr().out)                                  # exactly one JSON object
+    assert s["num_prompts"] == 2 and s["match_rate"] == 1.0 and s["hf_generate_tok_s"] > 0
+    assert s["config"]["aux_layers"] == list(tiny["target"].aux_layers)      # the layers it was trained on
+    assert (out / "summary.json").exists()
+
+    common = ["generate", "--target", tiny["target_dir"], "--prompt", PROMPTS[0], "--max-new-tokens", "16",
+              "--device", "cpu"]
+    assert main(common + ["--drafter", tiny["drafter_dir"], "--json"]) == 0
+    spec = json.loads(capsys.readouterr().out)
+    assert {"text", "token_ids", "accept_len", "tok_s"} <= set(spec)
+    assert len(spec["token_ids"]) == 16 and spec["accept_len"] > 1.0
+    assert spec["engine"] == {"fused": False, "sdpa": "auto", "cuda_graphs": False, "sdpa_choices": {}}
+    assert main(common + ["--drafter", tiny["drafter_dir"], "--json", "--sdpa", "math", "--no-fuse"]) == 0
+    math_run = json.loads(capsys.readouterr().out)                           # the flags reach the engine
+    assert math_run["engine"]["sdpa"] == "math" and math_run["token_ids"] == spec["token_ids"]
+    assert main(common + ["--json"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert plain["token_ids"] == spec["token_ids"] and plain["accept_len"] == 1.0
+    assert plain["token_ids"] == greedy(tiny["target"], tiny["ids"][0], 16)
+    assert main(common + ["--drafter", tiny["drafter_dir"]]) == 0
+    human = capsys.readouterr().out
+    assert "τ =" in human and spec["text"].strip()[:10] in human
+
+
+@pytest.mark.parametrize("content,problem", [(None, "no such file"), ('{"prompt": "hi"}\n{not json\n', "line 2"),
+                                             ("", "no usable conversations")])
+def test_bad_prompts_file_is_one_line_exit_2(tiny, tmp_path, capsys, content, problem):
+    from draftport.cli import main
+
+    path = tmp_path / "prompts.jsonl"
+    if content is not None:
+        path.write_text(content)
+    code = main(["eval", "--target", tiny["target_dir"], "--drafter", tiny["drafter_dir"], "--prompts", str(path),
+                 "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and str(path) in lines[0] and problem in lines[0], err
+    assert not (tmp_path / "out" / "summary.json").exists()
+
+
+def test_eval_sampling_reports_no_match_rate(tiny, tmp_path):
+    """temperature > 0: outputs are draws, so no greedy match rate; the acceptance figures still add up."""
+    s = run(tiny, tmp_path, temperature=0.8, top_p=0.9)
+    assert s["match_rate"] is None and s["exact_match_prompts"] is None
+    hist = {int(t): c for t, c in s["accept_hist"].items()}
+    assert sum(hist.values()) == s["cycles"] > 0
+    assert 1.0 <= s["accept_len"] <= 4.0 and 1.0 + sum(s["per_position_accept"]) == pytest.approx(s["accept_len"])
+
+
+@pytest.mark.slow
+def test_eval_on_gemma_is_lossless(gemma_target, tmp_path):
+    """The real Gemma-3-270M (fp32, plain chat template, 262k vocabulary, sliding windows) with a random
+    drafter: speculative output == no-speculation output, and offline τ == online τ."""
+    from draftport.model.drafter import Eagle3Drafter
+    from draftport.decode.evaluate import EvalConfig, run_eval
+
+    t = gemma_target
+    cfg = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": t.hidden_size,
+           "intermediate_size": 1024, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+           "num_hidden_layers": 1, "vocab_size": t.vocab_size, "draft_vocab_size": 4096, "rms_norm_eps": 1e-6,
+           "rope_theta": 10000.0, "max_position_embeddings": 2048, "torch_dtype": "float32",
+           "draftport": {"trained_layers": list(t.aux_layers)}}
+    drafter = Eagle3Drafter.from_config(cfg, seed=0)
+    drafter.set_embedding(t.embed_weight)
+    s = run_eval(EvalConfig(target="gemma-3-270m", drafter="random", prompts="mt-bench", max_samples=1,
+                            max_new_tokens=6, out=str(tmp_path), no_hf_baseline=True, timing_repeats=1),
+                 target=t, drafter=drafter.eval())
+    assert s["match_rate"] == 1.0 and s["config"]["aux_layers"] == list(t.aux_layers)
+    assert s["offline_accept_len"] == pytest.approx(s["accept_len"]) and s["cycles"] >= 1

@@ -1,0 +1,91 @@
+"""report.md / report.html: content round trip, self-contained HTML, and a real headless-browser render."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+
+import pytest
+
+from draftport.errors import DraftportError
+from draftport.study.report import Image, Report, Section, Table, render_markdown, write_report
+
+
+def _plot(path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(4, 3), dpi=80)
+    ax.plot([50, 200, 800], [1.6, 2.1, 2.5], marker="o", label="transfer")
+    ax.plot([50, 200, 800], [1.2, 1.7, 2.2], marker="s", label="scratch")
+    ax.set_xscale("log")
+    ax.legend()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def _report(tmp_path) -> Report:
+    _plot(str(tmp_path / "tau.png"))
+    return Report(
+        title="Port study <A→B>",
+        summary=["Transfer wins: τ 2.5 vs 2.2 at 800 samples."],
+        sections=[Section("Data scaling", paragraphs=["τ against data size."],
+                          tables=[Table(["drafter", "samples", "τ"], [["transfer", 800, 2.5], ["scratch", 800, 2.2]])],
+                          images=[Image("tau.png", "τ vs data size")])],
+    )
+
+
+def test_markdown_and_html_carry_the_numbers(tmp_path):
+    md_path, html_path = write_report(_report(tmp_path), str(tmp_path))
+    md = open(md_path, encoding="utf-8").read()
+    assert "| transfer | 800 | 2.5 |" in md and "![τ vs data size](tau.png)" in md
+    page = open(html_path, encoding="utf-8").read()
+    # Self-contained: the plot is inlined, nothing refers to a file beside it; titles are escaped.
+    assert "data:image/png;base64," in page and 'src="tau.png"' not in page
+    assert "Port study &lt;A→B&gt;" in page
+
+
+def test_non_png_image_is_a_one_line_error(tmp_path):
+    (tmp_path / "fake.png").write_text("not a png")
+    rep = Report("r", sections=[Section("s", images=[Image("fake.png")])])
+    with pytest.raises(DraftportError, match="fake.png: not a PNG file"):
+        write_report(rep, str(tmp_path))
+
+
+def test_markdown_formats_floats_and_missing_values():
+    rep = Report("r", sections=[Section("s", tables=[Table(["a", "b"], [[1.23456, None]])])])
+    assert "| 1.23 | – |" in render_markdown(rep)
+
+
+def _chromium() -> str | None:
+    for name in ("chromium", "chromium-browser"):
+        path = shutil.which(name)
+        if path:
+            return path
+    return None
+
+
+@pytest.mark.skipif(_chromium() is None and not os.environ.get("CI"), reason="Debian chromium not installed")
+def test_html_renders_in_headless_chromium_with_its_plot(tmp_path):
+    """Screenshot the report in Debian's chromium; the plot must paint coloured pixels (not blank)."""
+    browser = _chromium()
+    assert browser, "CI installs Debian's chromium (.ci/run); it is missing"
+    _, html_path = write_report(_report(tmp_path), str(tmp_path))
+    shot = tmp_path / "shot.png"
+    cmd = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+           "--disable-background-networking", "--disable-component-update", "--disable-sync",
+           f"--user-data-dir={tmp_path / 'profile'}", "--window-size=1000,900",
+           f"--screenshot={shot}", f"file://{html_path}"]
+    subprocess.run(cmd, check=True, capture_output=True, timeout=120)
+    from PIL import Image as PILImage
+
+    img = PILImage.open(shot).convert("RGB")
+    colours = img.getcolors(maxcolors=1 << 20) or []
+    # A blank page has one or two colours; text + a two-line matplotlib plot has hundreds, and the
+    # plot's default blue (#1f77b4) must be among them — i.e. the inlined PNG was decoded and drawn.
+    assert len(colours) > 50
+    blue = sum(n for n, (r, g, b) in colours if abs(r - 31) < 30 and abs(g - 119) < 30 and abs(b - 180) < 30)
+    assert blue > 20
