@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime as _dt
 import importlib
 import os
 import sys
 
 from draftport.errors import DraftportError, is_disk_full
+from draftport.safeio import default_out
 
 # verb -> (module, config dataclass, main function). The config's fields carry the same names as the
 # argparse dests below; `config_from_args` copies the ones the dataclass declares.
@@ -32,14 +32,6 @@ VERBS = {
 }
 
 WRITING_VERBS = {"capture", "train", "eval", "probe", "export", "study", "demo"}
-
-
-def default_out(verb: str) -> str:
-    """`./draftport-runs/<verb>-<UTC timestamp>/` (demo: `./draftport-demo/`), design.md §2."""
-    if verb == "demo":
-        return os.path.join(".", "draftport-demo")
-    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    return os.path.join(".", "draftport-runs", f"{verb}-{stamp}")
 
 
 def config_from_args(cls, args: argparse.Namespace):

@@ -7,6 +7,7 @@ real name.
 
 from __future__ import annotations
 
+import datetime as _dt
 import hashlib
 import json
 import os
@@ -125,3 +126,12 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
                 break
             h.update(block)
     return h.hexdigest()
+
+
+def default_out(verb: str) -> str:
+    """A verb's --out when none is given: `./draftport-runs/<verb>-<UTC timestamp>/` (demo: `./draftport-demo/`).
+    Here rather than in the CLI because train and eval fill it in too when called as functions."""
+    if verb == "demo":
+        return os.path.join(".", "draftport-demo")
+    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    return os.path.join(".", "draftport-runs", f"{verb}-{stamp}")

@@ -544,7 +544,7 @@ def main(cfg: EvalConfig) -> int:
     from rich.console import Console
 
     if cfg.out is None:
-        from draftport.cli import default_out
+        from draftport.safeio import default_out
 
         cfg.out = default_out("eval")
     summary = run_eval(cfg)

@@ -615,7 +615,7 @@ def _run(cfg: TrainConfig, info, target, console) -> dict:
     if not info.is_main:
         console = Console(stderr=True, quiet=True)
     if cfg.out is None:
-        from draftport.cli import default_out
+        from draftport.safeio import default_out
         cfg = dataclasses.replace(cfg, out=default_out("train"))
     out = parallel.broadcast_json(os.path.abspath(cfg.out), info)  # one directory even without --out
     if os.path.exists(out) and not os.path.isdir(out):
