@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from draftport.errors import DraftportError
-from draftport.check.spec import (DEFAULTS, default_aux_layers, drafter_spec_from_dict, load_drafter_spec, load_target_spec,
+from draftport.check.spec import (DEFAULTS, drafter_spec_from_dict, load_drafter_spec, load_target_spec,
                             read_gguf_header, target_spec_from_dict)
 
 # fixture -> (layout, H, target H, I, heads, kv heads, head_dim, layers, V, Vd, raw aux ids, key)
@@ -184,14 +184,6 @@ def test_target_errors():
     with pytest.raises(DraftportError, match="'num_hidden_layers'"):
         target_spec_from_dict({"architectures": ["LlamaForCausalLM"], "hidden_size": 8, "num_attention_heads": 2,
                                "vocab_size": 10})
-
-
-def test_default_aux_layers():
-    assert default_aux_layers(32) == [2, 16, 29]
-    assert default_aux_layers(61) == [2, 30, 58]
-    assert default_aux_layers(18) == [2, 9, 15]
-    with pytest.raises(DraftportError):
-        default_aux_layers(3)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from draftport.errors import DraftportError
+from draftport.check.layers import default_aux_layers
 from draftport.model.target import (CACHE_MARKER, HFTarget, _save_converted, apply_logit_postprocessing,
-                              check_subword_tokenizer, default_aux_layers, load_target, tiny_target, tiny_tokenizer)
+                              check_subword_tokenizer, load_target, tiny_target, tiny_tokenizer)
 
 FAMILIES = ["llama", "qwen2", "gemma3"]
 

@@ -20,9 +20,10 @@ import os
 from dataclasses import dataclass
 
 from draftport.errors import DraftportError, bad_input
+from draftport.check.layers import default_aux_layers
 from draftport.check.inventory import (FROZEN_OR_TRAINING, PICKLE_SUFFIXES, VOCAB_BUFFERS, Inventory, TensorInfo,
                                  canonical_name, expected_inventory, read_d2t, read_inventory)
-from draftport.check.spec import (MLA_ARCHS, SGLANG_ARCHS, DrafterSpec, TargetSpec, default_aux_layers, load_drafter_spec,
+from draftport.check.spec import (MLA_ARCHS, SGLANG_ARCHS, DrafterSpec, TargetSpec, load_drafter_spec,
                             load_target_spec, target_family)
 
 ENGINES = ("sglang", "vllm")

@@ -97,7 +97,7 @@ class TargetSpec:
 #   num_key_value_heads = num_attention_heads
 #   target_hidden_size  = hidden_size          (SGLang: `hidden_size_in`)
 #   draft_vocab_size    = vocab_size           (SGLang: lm_head then comes from the target)
-#   aux layers          = the engine's default, see default_aux_layers / compat.capture_layers
+#   aux layers          = the engine's default, see check/layers.py (default_aux_layers, resolve_aux_layers)
 DEFAULTS: dict[str, Any] = {
     "rms_norm_eps": 1e-6,
     "rope_theta": 10000.0,
@@ -130,13 +130,6 @@ LIMITS: dict[str, int] = {
 SGLANG_ARCHS = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 MLA_ARCHS = ("Eagle3DeepseekV2ForCausalLM", "Eagle3DeepseekV3ForCausalLM")
 EMBEDDED_TARGET = "gemma-3-270m"
-
-
-def default_aux_layers(num_layers: int) -> list[int]:
-    """EAGLE-3's default taps as 0-based "input of decoder layer i" ids: [2, L//2, L-3]."""
-    if num_layers < 4:
-        raise bad_input(None, f"a target needs at least 4 layers for the default aux layers, got {num_layers}")
-    return [2, num_layers // 2, num_layers - 3]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from typing import Iterator, Sequence
 from draftport.errors import DraftportError
 from draftport.safeio import atomic_write_bytes, iter_jsonl
 
-DEFAULT_MAX_NEW_TOKENS = 256  # regeneration: tokens per response unless told otherwise
+REGEN_MAX_NEW_TOKENS = 256  # regeneration: tokens per response unless told otherwise
 NAMED_SOURCES = {"sharegpt": "sharegpt", "mt-bench": "mt-bench", "mt_bench": "mt-bench", "mtbench": "mt-bench",
                  "humaneval": "humaneval", "human-eval": "humaneval"}
 ROLE_ALIASES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
@@ -579,7 +579,7 @@ def regenerate(target, convs: Sequence[Conversation], *, chat_template=None, max
     batches; a conversation stops when its next prompt would not leave room under max_len. With
     samples_per_prompt N each conversation yields N variants (ids "<id>#k"); greedy decoding would make
     them identical, so at temperature 0 one answer is generated and copied N times (with a warning).
-    max_new_tokens None: DEFAULT_MAX_NEW_TOKENS."""
+    max_new_tokens None: REGEN_MAX_NEW_TOKENS."""
     if samples_per_prompt < 1:
         raise DraftportError(f"--samples-per-prompt must be at least 1, got {samples_per_prompt}")
     if samples_per_prompt > 1 and temperature <= 0:
@@ -589,7 +589,7 @@ def regenerate(target, convs: Sequence[Conversation], *, chat_template=None, max
                           batch_size=batch_size, max_len=max_len, seed=seed)
         return [Conversation(messages=[dict(m) for m in c.messages], id=f"{c.id}#{k}")
                 for c in once for k in range(samples_per_prompt)]
-    max_new_tokens = DEFAULT_MAX_NEW_TOKENS if max_new_tokens is None else max_new_tokens
+    max_new_tokens = REGEN_MAX_NEW_TOKENS if max_new_tokens is None else max_new_tokens
     tok = target.tokenizer
     template = resolve_chat_template(tok, chat_template)
     stop_ids = stop_token_ids(tok, template, target.eos_token_ids)

@@ -156,7 +156,7 @@ class StoreWriter:
             clear_store(self.path)
         if os.path.exists(manifest_path):
             old = _check_manifest(read_json(manifest_path), manifest_path)
-            mismatch = config_mismatch(old["config"], config, identity)
+            mismatch = identity_mismatch(old["config"], config, identity)
             if mismatch:
                 raise DraftportError(f"holds a capture made with a different config ({mismatch}); "
                                      "rerun with --restart to start over, or use another --out", self.path)
@@ -244,7 +244,7 @@ class StoreWriter:
             self._pool.shutdown()
 
 
-def config_mismatch(old: dict, new: dict, keys: Sequence[str]) -> str | None:
+def identity_mismatch(old: dict, new: dict, keys: Sequence[str]) -> str | None:
     """'key: old → new' for the first identity key that differs, else None."""
     for k in keys:
         if old.get(k) != new.get(k):

@@ -288,13 +288,9 @@ class SpecEngine:
 
     def _init_drafter(self, drafter) -> None:
         spec = drafter.spec
-        if self.cfg.aux_layers is not None:
-            layers = list(self.cfg.aux_layers)
-        elif spec.trained_layers:
-            layers = list(spec.trained_layers)
-        else:
-            from draftport.check.compat import capture_layers
-            layers = capture_layers(spec, self.target.spec, "sglang")
+        from draftport.check.layers import resolve_aux_layers
+
+        layers = resolve_aux_layers(spec, self.target.spec, self.cfg.aux_layers).layers
         if len(layers) != spec.num_aux_layers or not all(0 <= i <= self.num_layers for i in layers):
             raise DraftportError(f"the drafter reads {spec.num_aux_layers} aux states but the engine would feed "
                                  f"layers {layers} of a {self.num_layers}-layer target", spec.source)

@@ -371,7 +371,7 @@ class Eagle3Drafter(nn.Module):
             from draftport.check.spec import drafter_spec_from_dict
             spec = drafter_spec_from_dict(spec_or_dict)
         if isinstance(dtype, str):
-            dtype = resolve_dtype(dtype)
+            dtype = parse_dtype(dtype)
         model = cls(spec, device=device, dtype=dtype)
         model.init_weights(seed)
         return model
@@ -532,8 +532,9 @@ class Eagle3Drafter(nn.Module):
                              torch.zeros(shape, device=device, dtype=dtype))
 
 
-def resolve_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
-    """'bf16' / 'bfloat16' / 'fp32' / torch.float32 … -> torch dtype (None stays None)."""
+def parse_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
+    """'bf16' / 'bfloat16' / 'fp32' / torch.float32 … -> torch dtype (None stays None; target.resolve_dtype
+    is the other question: which dtype a model runs in on a device when none is named)."""
     if name is None or isinstance(name, torch.dtype):
         return name
     aliases = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16", "half": "float16", "float": "float32"}

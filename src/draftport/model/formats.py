@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from draftport.model.drafter import Eagle3Drafter, resolve_dtype
+from draftport.model.drafter import Eagle3Drafter, parse_dtype
 from draftport.errors import DraftportError
 from draftport.safeio import atomic_rename_dir, atomic_write_json
 from draftport.check.spec import DrafterSpec, TargetSpec
@@ -174,10 +174,10 @@ def load_drafter(path: str | os.PathLike, *, device=None, dtype: torch.dtype | s
         # computation from the speculators / vLLM `layers.{i}` this drafter implements
         raise DraftportError(f"SGLang-style extra decoder layers ({sglang_extra[0]}, …) are not supported; "
                              "only speculators/vLLM `layers.{i}.` extra layers are", tensors[sglang_extra[0]][1])
-    dtype = resolve_dtype(dtype)
+    dtype = parse_dtype(dtype)
     if dtype is None:
         fc = next((t for n, (t, _) in tensors.items() if canonical_name(n) == "fc.weight"), None)
-        dtype = fc.dtype if fc is not None and fc.is_floating_point() else resolve_dtype(spec.dtype)
+        dtype = fc.dtype if fc is not None and fc.is_floating_point() else parse_dtype(spec.dtype)
     device = torch.device(device or "cpu")
     model = Eagle3Drafter(spec, device="meta", dtype=dtype)
     meta_sd = model.state_dict()
@@ -287,30 +287,25 @@ def _resolve_target(target) -> tuple[TargetSpec | None, str | None]:
 
 
 def plan_aux_ids(spec: DrafterSpec, target=None, layers: list[int] | None = None) -> AuxPlan:
-    """Which layers the drafter expects (explicit `layers` > recorded trained_layers > what its
-    config makes its native engine capture) and the raw ids that make each engine capture them."""
-    from draftport.check.compat import capture_layers, engine_aux_ids
+    """Which layers the drafter expects (check/layers.py's rule: explicit `layers` > recorded
+    trained_layers > what its config makes its native engine capture) and the raw ids that make each
+    engine capture them."""
+    from draftport.check.compat import engine_aux_ids
+    from draftport.check.layers import resolve_aux_layers
 
     tspec, tpath = _resolve_target(target)
     if tspec is None:
         tspec = _recorded_target(spec)
         tpath = spec.target_path
     notes: list[str] = []
-    if layers is not None:
-        layers, source = [int(i) for i in layers], "trained"
-    elif spec.trained_layers is not None:
-        layers, source = list(spec.trained_layers), "trained"
-    else:
-        # a foreign drafter was trained on what its own engine fed it: SGLang for eagle_config ids,
-        # vLLM for top-level / speculators ids; with no ids both engines default to [2, L//2, L-3]
-        native = "vllm" if spec.aux_ids_key in ("top_level", "speculators") else "sglang"
-        try:
-            layers = capture_layers(spec, tspec, native)
-            source = f"{native} config" if spec.aux_layer_ids is not None else "default"
-        except DraftportError as exc:
-            layers, source = None, "unknown"
-            notes.append(f"aux layers unknown ({exc}); no ids written, engines use their defaults — "
-                         "pass --target to write them")
+    try:
+        chosen = resolve_aux_layers(spec, tspec, layers)
+        # explicit layers here are the ones a training run just fed it: recorded as "trained"
+        layers, source = chosen.layers, "trained" if chosen.source == "explicit" else chosen.source
+    except DraftportError as exc:
+        layers, source = None, "unknown"
+        notes.append(f"aux layers unknown ({exc}); no ids written, engines use their defaults — "
+                     "pass --target to write them")
     sglang_ids = vllm_ids = None
     if layers is not None:
         sglang_ids = engine_aux_ids(layers, tspec, "sglang")

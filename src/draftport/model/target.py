@@ -31,7 +31,8 @@ from torch import nn
 
 from draftport.errors import DraftportError
 from draftport.safeio import atomic_rename_dir, sha256_file
-from draftport.check.spec import TargetSpec, default_aux_layers, target_spec_from_dict
+from draftport.check.layers import resolve_aux_layers
+from draftport.check.spec import TargetSpec, target_spec_from_dict
 
 EMBEDDED_DEFAULT = "gemma-3-270m"
 CACHE_MARKER = "draftport-cache.json"  # written last into a cache dir: its presence means the dir is complete
@@ -148,7 +149,7 @@ class HFTarget:
         self.num_layers = int(self._text_config.num_hidden_layers)
         self.hidden_size = int(self._text_config.hidden_size)
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
-        self.aux_layers = self._check_aux(default_aux_layers(self.num_layers) if aux_layers is None else aux_layers)
+        self.aux_layers = self._check_aux(resolve_aux_layers(None, self.spec, aux_layers).layers)
         self._decoder = model.get_decoder()
         self._layers = _decoder_layers(self._decoder, self.num_layers)
         self.eos_token_ids = self._eos_ids()

@@ -202,13 +202,6 @@ def resolve_target(name: str, cfg, aux_layers=None):
     return target
 
 
-def drafter_layers(drafter_spec, target_spec, engine: str) -> list[int]:
-    """The layers `engine` feeds this drafter on this target (THE mapping, compat.capture_layers)."""
-    from draftport.check.compat import capture_layers
-
-    return capture_layers(drafter_spec, target_spec, engine)
-
-
 def set_aux_layers(target, layers: list[int], where: str) -> None:
     """Tap `layers` on this target from now on (capture and the offline τ read target.aux_layers)."""
     bad = [i for i in layers if not 0 <= int(i) <= target.num_layers]
@@ -273,13 +266,10 @@ def run_probe(cfg: ProbeConfig, target_a=None, target_b=None, console: Console |
     n_texts = check_tokenizers(target_a.tokenizer, target_b.tokenizer, conv_texts=convs, where=cfg.target_b,
                                chat_template=cfg.chat_template, max_len=max_len)
 
-    if dspec is not None:
-        layers_a = drafter_layers(dspec, target_a.spec, cfg.engine)
-        layers_b = drafter_layers(dspec, target_b.spec, cfg.engine)
-    else:
-        from draftport.check.spec import default_aux_layers
+    from draftport.check.layers import resolve_aux_layers  # no drafter: the default taps on each target
 
-        layers_a, layers_b = default_aux_layers(target_a.num_layers), default_aux_layers(target_b.num_layers)
+    layers_a = resolve_aux_layers(dspec, target_a.spec, engine=cfg.engine).layers
+    layers_b = resolve_aux_layers(dspec, target_b.spec, engine=cfg.engine).layers
     set_aux_layers(target_a, layers_a, cfg.target_a)
     set_aux_layers(target_b, layers_b, cfg.target_b)
 

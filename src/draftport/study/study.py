@@ -210,6 +210,15 @@ def stage_check(cfg: StudyConfig) -> dict:
             "warnings": [f["message"] for f in result["findings"] if f["severity"] == "warning"]}
 
 
+def study_layers(cfg: StudyConfig) -> list[int]:
+    """The layers A's drafter reads on B when `cfg.engine` serves it (check/layers.py's rule; the check
+    stage has already refused a drafter whose recorded layers that engine would not feed)."""
+    from draftport.check.layers import resolve_aux_layers
+    from draftport.check.spec import load_drafter_spec, load_target_spec
+
+    return resolve_aux_layers(load_drafter_spec(cfg.drafter_a), load_target_spec(cfg.target_b), engine=cfg.engine).layers
+
+
 def stage_probe(cfg: StudyConfig, d: str, data: str) -> dict:
     from draftport.study.probe import ProbeConfig, run_probe
 
@@ -398,7 +407,7 @@ def run_study(cfg: StudyConfig, console: Console | None = None) -> dict:
                        lambda d: stage_check(cfg), "check: A's drafter against B")
     if check["verdict"] == "incompatible":
         raise DraftportError("A's drafter cannot be fed by target B: " + "; ".join(check["errors"][:3]), cfg.drafter_a)
-    layers = check["capture_layers"][cfg.engine]
+    layers = study_layers(cfg)
 
     cap = stages.run("capture", {**common, "n": sizes[-1], "layers": layers, "regenerate": cfg.regenerate,
                                    "regen_batch_size": cfg.regen_batch_size},

@@ -33,7 +33,7 @@ from rich.text import Text
 
 from draftport.errors import DraftportError, bad_input
 from draftport.safeio import atomic_write_json, read_json
-from draftport.data.store import MANIFEST, StoreWriter, bytes_per_token, clear_store, config_mismatch
+from draftport.data.store import MANIFEST, StoreWriter, bytes_per_token, clear_store, identity_mismatch
 
 DEFAULT_MAX_LEN = 2048
 DEFAULT_BATCH = 8
@@ -134,7 +134,7 @@ def _refuse_if_different(out: str, request: dict) -> None:
     mpath = os.path.join(out, MANIFEST)
     if os.path.exists(mpath):
         old = read_json(mpath).get("config")
-        mismatch = config_mismatch(old if isinstance(old, dict) else {}, request, REQUEST_KEYS)
+        mismatch = identity_mismatch(old if isinstance(old, dict) else {}, request, REQUEST_KEYS)
         if mismatch:
             raise DraftportError(f"holds a capture made with a different config ({mismatch}); "
                                  "rerun with --restart to start over, or use another --out", out)
@@ -153,7 +153,7 @@ def load_data(cfg: CaptureConfig, target, request: dict, console: Console) -> li
     os.makedirs(regen_dir, exist_ok=True)
     meta_path = os.path.join(regen_dir, "request.json")
     if os.path.exists(meta_path):
-        mismatch = config_mismatch(read_json(meta_path), request, REQUEST_KEYS)
+        mismatch = identity_mismatch(read_json(meta_path), request, REQUEST_KEYS)
         if mismatch:
             raise DraftportError(f"holds regenerated data made with a different config ({mismatch}); "
                                  "rerun with --restart to start over", regen_dir)

@@ -452,12 +452,12 @@ def drafter_config(target, layers: list[int], vocab_size: int, draft_vocab_size:
 def build_drafter(cfg: TrainConfig, target, data: "parallel.Samples", train_idx, console, resuming: bool, device):
     """-> (fp32 drafter on `device` with the target's embedding, aux layers, notes). Vocab from the data unless kept from --init-from."""
     from draftport.model.drafter import Eagle3Drafter
-    from draftport.check.spec import default_aux_layers
+    from draftport.check.layers import resolve_aux_layers
     from draftport.model.vocab import VocabMap, build_draft_vocab, remap_lm_head
 
     V, notes = target.vocab_size, {}
     if cfg.init_from:
-        from draftport.model.formats import load_drafter, plan_aux_ids
+        from draftport.model.formats import load_drafter
 
         drafter, report = load_drafter(cfg.init_from, dtype=torch.float32)
         if report.not_read:  # e.g. SpecForge's training_state.pt: a pickle, and optimizer state besides
@@ -470,7 +470,7 @@ def build_drafter(cfg: TrainConfig, target, data: "parallel.Samples", train_idx,
         if spec.vocab_size != V or spec.target_hidden_size != target.hidden_size:
             raise bad_input(cfg.init_from, f"drafter expects vocab {spec.vocab_size} / aux width "
                                            f"{spec.target_hidden_size}, the target has {V} / {target.hidden_size}")
-        layers = plan_aux_ids(spec, target.spec).layers or default_aux_layers(target.num_layers)
+        layers = resolve_aux_layers(spec, target.spec).layers
         if cfg.aux_layers is not None and list(cfg.aux_layers) != layers:
             raise DraftportError(f"--aux-layers {cfg.aux_layers} differ from the layers {layers} {cfg.init_from} "
                                  "is fed on this target")
@@ -495,8 +495,9 @@ def build_drafter(cfg: TrainConfig, target, data: "parallel.Samples", train_idx,
         else:
             notes["vocab"] = f"kept from {cfg.init_from}"
     else:
-        layers = list(cfg.aux_layers) if cfg.aux_layers is not None else (
-            data.aux_layers or default_aux_layers(target.num_layers))
+        # a fresh drafter reads what the store captured (or --aux-layers; a mismatch is refused below)
+        explicit = cfg.aux_layers if cfg.aux_layers is not None else data.aux_layers
+        layers = resolve_aux_layers(None, target.spec, explicit).layers
         Vd = cfg.draft_vocab_size or min(32000, V)
         drafter = Eagle3Drafter.from_config(drafter_config(target, layers, V, Vd), seed=cfg.seed,
                                             dtype=torch.float32)
