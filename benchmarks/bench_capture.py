@@ -9,7 +9,7 @@ sha256 + manifest commits) against the bare target forward pass on the same batc
 Samples are random token ids (lengths uniform in [seq_len/2, seq_len] with --vary-lengths, else all
 seq_len, the anchor's prefill setting). The bare pass is `HFTarget.forward` (aux taps, no logits),
 so the ratio isolates what capture adds; the HF CausalLM forward with logits is reported too, as
-the figure mission.md's anchors quote. Warm-up batches are excluded. On CUDA it also reports the peak
+the figure reference benchmarks quote. Warm-up batches are excluded. On CUDA it also reports the peak
 GPU memory above the weights for the bare pass and for capture, in all and per token of a batch
 (issue 8's memory per token of sequence). Prints one JSON line.
 """

@@ -406,7 +406,8 @@ def main(argv=None) -> int:
             drafter = budget.run("load_drafter", build_random_drafter, target, str(dev), dtype)
         stop_ids: list[int] = []
         if target.tokenizer is not None:
-            from draftport.data.conversations import load_prompts, stop_token_ids
+            from draftport.data.chat import stop_token_ids
+            from draftport.data.conversations import load_prompts
             from draftport.decode.evaluate import encode_prompts
 
             prompts = encode_prompts(target, load_prompts("mt-bench", max_samples=args.prompts_n), None, None)

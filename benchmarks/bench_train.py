@@ -1,5 +1,5 @@
 """Training-step throughput of draftport's TTT trainer (train.TTTModel), for the side-by-side with
-SpecForge's own step (../shared/anchors/specforge_train_step.py) on the same GPU.
+SpecForge v0.2.0's own training step (its flex-attention path) on the same GPU.
 
 Same setup as the anchor: Llama-3.1-8B-shaped drafter (H 4096, 32/8 heads, intermediate 14336,
 vocab 128256, draft vocab 32000), TTT 7, batch 1 × T tokens, random aux states and random full-vocab
@@ -28,7 +28,8 @@ import torch
 
 from draftport.model.drafter import Eagle3Drafter
 from draftport.train.losses import position_valid, shift_left
-from draftport.train.loop import TTTModel, guarded_update
+from draftport.train.loop import guarded_update
+from draftport.train.ttt import TTTModel
 
 SHAPES = {
     "8b": dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
@@ -91,7 +92,7 @@ def run(args, T: int, steps: int) -> dict:
     drafter.set_vocab_mapping(used - torch.arange(Vd, device=dev), t2d)
     drafter.set_embedding(torch.randn(V, H, device=dev, dtype=dt, generator=g) * 0.02)
     if args.checkpointing:
-        from draftport.train.loop import enable_activation_checkpointing
+        from draftport.train.ttt import enable_activation_checkpointing
 
         enable_activation_checkpointing(drafter)
     attention = args.attention or ("flex" if dev.type == "cuda" else "eager")

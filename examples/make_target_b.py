@@ -91,7 +91,7 @@ def main(argv=None) -> int:
 
     import torch
 
-    from draftport.data.conversations import tokenize_conversation
+    from draftport.data.chat import tokenize_conversation
     from draftport.safeio import atomic_write_json
     from draftport.model.target import load_target
 

@@ -1,7 +1,7 @@
 """`draftport <verb>`: parse flags into the verb's dataclass config and call the verb's importable main.
 
 Heavy modules (torch, transformers) are imported lazily inside the verb that needs them, so that
-`check` and `economics` answer in well under a second (design.md §3).
+`check` and `economics` answer in well under a second (docs/design.md).
 Errors: one line on stderr naming the file and the problem, exit 2; `--debug` shows the traceback.
 """
 
@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
-import os
 import sys
 
 from draftport.errors import DraftportError, is_disk_full
@@ -26,7 +25,7 @@ VERBS = {
     "eval": ("draftport.decode.evaluate", "EvalConfig", "main"),
     "generate": ("draftport.decode.evaluate", "GenerateConfig", "generate_main"),
     "probe": ("draftport.study.probe", "ProbeConfig", "main"),
-    "export": ("draftport.model.formats", "ExportConfig", "export_main"),
+    "export": ("draftport.model.export", "ExportConfig", "export_main"),
     "study": ("draftport.study.study", "StudyConfig", "main"),
     "demo": ("draftport.study.demo", "DemoConfig", "main"),
 }

@@ -11,9 +11,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from draftport.data.conversations import (CHAT_TEMPLATES, Conversation, LoadStats, encode_prompt, iter_json_array,
-                            load_conversations, load_prompts, regenerate, render_segments, save_conversations,
-                            split_train_val, stop_token_ids, tokenize_conversation)
+from draftport.data.chat import (CHAT_TEMPLATES, encode_prompt, render_segments, stop_token_ids,
+                                 tokenize_conversation)
+from draftport.data.conversations import (Conversation, LoadStats, iter_json_array, load_conversations, load_prompts,
+                                          save_conversations, split_train_val)
+from draftport.train.regenerate import regenerate
 from draftport.errors import DraftportError
 from draftport.model.target import tiny_target, tiny_tokenizer
 

@@ -40,7 +40,8 @@ def save_target(t, path):
 def train_drafter(target_dir: str, data: str, out: str, steps: int = 40, depth: int = 3, max_len: int = 64) -> str:
     """A tiny EAGLE-3 drafter for the target in `target_dir`, trained in seconds (TTT, hard labels = the
     target's argmax) on the conversations in `data`, saved in SGLang layout; returns its directory."""
-    from draftport.data.conversations import load_conversations, tokenize_conversation
+    from draftport.data.chat import tokenize_conversation
+    from draftport.data.conversations import load_conversations
     from draftport.model.target import load_target
     from test_offline import train_tiny_drafter
 

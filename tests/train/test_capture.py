@@ -16,7 +16,8 @@ import torch
 
 from draftport import cli
 from draftport.train.capture import CaptureConfig, length_batches, plan_shards, run_capture
-from draftport.data.conversations import load_conversations, tokenize_conversation
+from draftport.data.chat import tokenize_conversation
+from draftport.data.conversations import load_conversations
 from draftport.errors import DraftportError
 from draftport.data.store import MANIFEST, Store, shard_name
 from draftport.model.target import tiny_target
@@ -159,7 +160,7 @@ def test_no_usable_samples(tmp_path, tiny):
 
 
 def test_regenerated_data_is_saved_and_reused(tmp_path, data, tiny, monkeypatch):
-    import draftport.data.conversations as data_mod
+    import draftport.train.regenerate as regen_mod
 
     kw = dict(regenerate=True, samples_per_prompt=2, max_new_tokens=6, max_samples=3, temperature=0.8,
               save_data=str(tmp_path / "kept.jsonl"))
@@ -173,7 +174,7 @@ def test_regenerated_data_is_saved_and_reused(tmp_path, data, tiny, monkeypatch)
     def no_regeneration(*a, **k):
         raise AssertionError("resume must reuse the saved regenerated data")
 
-    monkeypatch.setattr(data_mod, "regenerate", no_regeneration)
+    monkeypatch.setattr(regen_mod, "regenerate", no_regeneration)
     run_capture(make_cfg(out, data, **kw), target=tiny)
     store = Store(str(out), verify=True)
     convs = load_conversations(str(out / "regenerated.jsonl"))
@@ -189,16 +190,16 @@ def test_regenerated_data_is_saved_and_reused(tmp_path, data, tiny, monkeypatch)
 def test_regeneration_batches_prompts_by_regen_batch_size(tmp_path, data, tiny, monkeypatch):
     """--regen-batch-size decides how many prompts one generate call takes (GPUs want hundreds), and a
     saved chunk holds at least one such batch."""
-    import draftport.data.conversations as data_mod
+    import draftport.train.regenerate as regen_mod
 
     seen = []
-    real = data_mod.generate_batch
+    real = regen_mod.generate_batch
 
     def counting(target, prompts, *a, **k):
         seen.append(len(prompts))
         return real(target, prompts, *a, **k)
 
-    monkeypatch.setattr(data_mod, "generate_batch", counting)
+    monkeypatch.setattr(regen_mod, "generate_batch", counting)
     run_capture(make_cfg(tmp_path / "r", data, regenerate=True, max_new_tokens=3, max_samples=7, batch_size=2,
                          regen_batch_size=5), target=tiny)
     assert seen[0] == 5 and max(seen) == 5  # the first turns of 5 prompts in one call, not batches of 2

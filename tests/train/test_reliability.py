@@ -461,7 +461,8 @@ def test_flipped_byte_in_a_checkpoint_file_is_a_one_line_error_naming_it(train_s
 
 def test_a_step_dir_without_state_json_is_named_and_the_run_resumes_from_the_one_before(train_store, finished_run,
                                                                                         tmp_path):
-    from draftport.train.loop import TrainConfig, run_train
+    from draftport.train.config import TrainConfig
+    from draftport.train.loop import run_train
 
     out = tmp_path / "run"
     shutil.copytree(finished_run, out)
@@ -596,7 +597,7 @@ def test_trust_remote_code_reaches_transformers_only_with_the_flag(tmp_path, mon
 
 def poison_steps(monkeypatch, bad: dict[int, float]):
     """Multiply the training loss of the given (1-based) steps by NaN or Inf; validation untouched."""
-    from draftport.train.loop import TTTModel
+    from draftport.train.ttt import TTTModel
 
     forward, n = TTTModel.forward, [0]
 
@@ -614,7 +615,8 @@ def poison_steps(monkeypatch, bad: dict[int, float]):
 @pytest.mark.parametrize("device_guard", [False, True])
 def test_nonfinite_loss_skips_the_step_and_reports_it(train_store, tmp_path, monkeypatch, device_guard):
     """Host guard (one read a step) and device guard (fused AdamW's found_inf: the kernel skips)."""
-    from draftport.train.loop import TrainConfig, run_train
+    from draftport.train.config import TrainConfig
+    from draftport.train.loop import run_train
 
     poison_steps(monkeypatch, {3: float("nan"), 5: float("inf")})
     out, buf = tmp_path / "run", io.StringIO()
@@ -638,7 +640,8 @@ def test_nonfinite_loss_skips_the_step_and_reports_it(train_store, tmp_path, mon
 def test_device_guard_reads_the_skips_at_log_steps_only(train_store, tmp_path, monkeypatch):
     """The device guard defers the host read to the metrics / checkpoint steps: skipped steps between
     them are still reported in step order, counted, and a run of them stops the run before a save."""
-    from draftport.train.loop import TrainConfig, run_train
+    from draftport.train.config import TrainConfig
+    from draftport.train.loop import run_train
 
     for flag, want in (("--device-guard", True), ("--no-device-guard", False), (None, None)):
         argv = ["train", "--target", "tiny-gemma3", "--data", str(train_store)] + ([flag] if flag else [])

@@ -19,7 +19,8 @@ from safetensors.torch import load_file
 from draftport import cli
 from draftport.train.capture import CaptureConfig, run_capture
 from draftport.errors import DraftportError
-from draftport.train.loop import TrainConfig, lr_at, run_train
+from draftport.train.config import TrainConfig
+from draftport.train.loop import lr_at, run_train
 
 QUIET = Console(stderr=True, quiet=True)
 PHRASE = "the robot paints a quiet town by the sea every morning".split()
@@ -256,7 +257,7 @@ def test_torchrun_two_gloo_ranks_equal_one_process(store, tmp_path):
 def test_flex_ttt_attention_equals_eager_on_cuda(T):
     """The fused step-0 kernel + closed-form diagonal == drafter.ttt_attention, values and gradients."""
     from draftport.model.drafter import ttt_attention
-    from draftport.train.loop import flex_ttt_attention
+    from draftport.train.ttt import flex_ttt_attention
 
     g = torch.Generator(device="cuda").manual_seed(0)
     B, Hq, Hkv, D, steps = 2, 8, 2, 64, 4
@@ -348,7 +349,7 @@ def test_ttt_losses_and_logits_equal_specforge_v020():
 
     from draftport.model.drafter import TTTCache
     from draftport.train.losses import shift_left
-    from draftport.train.loop import TTTModel
+    from draftport.train.ttt import TTTModel
 
     gold = json.load(open(os.path.join(os.path.dirname(__file__), "golden_specforge_ttt.json")))
     d, aux, ids0, target, mask0 = golden_case()
@@ -397,7 +398,7 @@ def test_fused_lm_head_loss_equals_the_logits_path(norm_output):
 
     from draftport.model.drafter import Eagle3Drafter, TTTCache
     from draftport.train.losses import shift_left
-    from draftport.train.loop import TTTModel
+    from draftport.train.ttt import TTTModel
 
     d, aux, ids0, target, mask0 = golden_case()
     if norm_output:  # EAGLE-3.1: the step output is normed already; otherwise lm_head reads norm(out)
@@ -442,7 +443,7 @@ def test_layer_regions_equal_eager_for_other_layouts():
     import torch.nn.functional as F
 
     from draftport.model.fusion import compile_failures
-    from draftport.train.loop import TTTModel
+    from draftport.train.ttt import TTTModel
 
     d, aux, ids0, target, mask0 = golden_case(num_hidden_layers=2, norm_output=True, norm_before_residual=True,
                                               attention_bias=True, mlp_bias=True)
@@ -476,7 +477,7 @@ def test_compiled_flex_merge_equals_ttt_attention():
     drafter.ttt_attention over all steps' keys: values and the gradients of q and every key and value."""
     from draftport.model.drafter import ttt_attention
     from draftport.model.fusion import compile_failures, compiled
-    from draftport.train.loop import ttt_diagonal_merge
+    from draftport.train.ttt import ttt_diagonal_merge
 
     g = torch.Generator().manual_seed(0)
     B, Hq, Hkv, T, D, n = 2, 4, 2, 8, 16, 3
@@ -506,7 +507,7 @@ def test_compiled_ttt_step_equals_eager():
     from torch._dynamo.utils import counters
 
     from draftport.model.fusion import compile_failures
-    from draftport.train.loop import TTTModel, enable_activation_checkpointing
+    from draftport.train.ttt import TTTModel, enable_activation_checkpointing
 
     d, aux, ids0, target, mask0 = golden_case()
     k, keys = 3, list(d.state_dict())

@@ -142,7 +142,7 @@ def load_drafter_for(path: str, target):
 
 def encode_prompts(target, convs, chat_template: str | None, max_len: int | None) -> list[list[int]]:
     """Token ids of each prompt conversation with the assistant header appended (what decoding continues)."""
-    from draftport.data.conversations import encode_prompt
+    from draftport.data.chat import encode_prompt
 
     out = []
     for conv in convs:
@@ -338,7 +338,8 @@ def run_eval(cfg: EvalConfig, *, target=None, drafter=None, console=None) -> dic
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from draftport.decode import offline
-    from draftport.data.conversations import load_prompts, stop_token_ids
+    from draftport.data.chat import stop_token_ids
+    from draftport.data.conversations import load_prompts
     from draftport.decode.engine import EngineConfig, SpecEngine
 
     console = console or Console(stderr=True)
@@ -562,7 +563,8 @@ def main(cfg: EvalConfig) -> int:
 
 def run_generate(cfg: GenerateConfig, *, target=None, drafter=None) -> dict:
     """One prompt through the engine (speculative with a drafter, plain without): text, ids, τ, tok/s."""
-    from draftport.data.conversations import ChatTemplate, Conversation, resolve_chat_template, stop_token_ids
+    from draftport.data.chat import ChatTemplate, resolve_chat_template, stop_token_ids
+    from draftport.data.conversations import Conversation
     from draftport.decode.engine import EngineConfig, SpecEngine
 
     if not cfg.prompt:

@@ -1,7 +1,7 @@
 """The EAGLE-3 drafter, one model in one file: fc over the target's aux states → one decoder layer
 whose attention reads `cat(input_layernorm(embed), hidden_norm(hidden))` → norm → lm_head over Vd.
 
-Tensor names and shapes are SGLang's `LlamaForCausalLMEagle3` (see mission.md):
+Tensor names and shapes are SGLang's `LlamaForCausalLMEagle3` (docs/design.md):
     fc.weight [H, n·Ht]                       input_norm.weight [n·Ht]   (speculators norm_before_fc)
     fc_norm.{k}.weight [Ht]  (EAGLE-3.1)      midlayer.hidden_norm / input_layernorm / post_attention_layernorm [H]
     midlayer.self_attn.{q,k,v}_proj [·, 2H]   midlayer.self_attn.o_proj [H, Hq·D]
@@ -13,7 +13,7 @@ Speculators drafters may have more decoder layers: layers 1.. are plain Llama la
 
 The step API — one drafter decoder step over T query positions; both uses share `step()`:
 
-1. Training-time test (algorithms.md). Step 0 reads `g = project(aux)`; step i ≥ 1 reads the
+1. Training-time test (docs/design.md). Step 0 reads `g = project(aux)`; step i ≥ 1 reads the
    hidden that step i−1 returned. The query at t sees the step-0 keys at positions ≤ t (causal) and,
    for each step 1..i, only that step's key at the same t (the diagonal). Keys/values accumulate in
    a `TTTCache` (a list per step, no T×T mask per extra step):
@@ -23,7 +23,7 @@ The step API — one drafter decoder step over T query positions; both uses shar
        for i in range(k):
            hidden, logits = drafter.step(hidden, ids_i, pos + i, cache)          # logits [B, T, Vd]
 
-   `ids_i[t]` is the token read at step i (x_{t+1+i} in algorithms.md's shifted indexing). RoPE
+   `ids_i[t]` is the token read at step i (x_{t+1+i} in docs/design.md's shifted indexing). RoPE
    positions are the caller's: EAGLE's cnets.py, speculators and SpecForge's flex path use t + i at
    step i, which is also what decoding does (the i-th draft of a chain started at t sits at t + i);
    tests/model/test_drafter.py proves TTT step i at t equals a chain decoded through the static cache.

@@ -30,7 +30,7 @@ from draftport.safeio import atomic_write_json, iter_jsonl
 from draftport.study.study import Stages, economics_row, make_config, read_summary
 
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets", "examples")
-# the seed's measurements (mission.md): a 30 ms cycle, τ 2.0, 82 tok/s baseline, 150 tok/s wanted
+# the project's starting measurements (the README's economics example): a 30 ms cycle, τ 2.0, 82 tok/s baseline, 150 tok/s wanted
 SEED = {"cycle_ms": 30.0, "accept_len": 2.0, "baseline_tok_s": 82.0, "target_tok_s": 150.0, "depth": 3}
 
 
@@ -139,8 +139,9 @@ def stage_capture(cfg: DemoConfig, d: str) -> dict:
 
 def stage_train(cfg: DemoConfig, d: str, store: str) -> dict:
     from draftport.train import loop as train
+    from draftport.train.config import TrainConfig
 
-    train.main(make_config(train.TrainConfig, target=cfg.target, data=store, out=d, steps=cfg.steps,
+    train.main(make_config(TrainConfig, target=cfg.target, data=store, out=d, steps=cfg.steps,
                            batch_size=cfg.train_batch_size, ttt_steps=cfg.ttt_steps,
                            draft_vocab_size=cfg.draft_vocab_size, lr=cfg.lr, max_len=cfg.max_len, device=cfg.device,
                            dtype=cfg.dtype, seed=cfg.seed, chat_template=cfg.chat_template))

@@ -165,7 +165,7 @@ def check_tokenizers(tok_a, tok_b, conv_texts: list | None = None,
                      where: str = "target-b", chat_template: str | None = None, max_len: int | None = None) -> int:
     """Refuse (one line) unless A and B share the vocabulary and give the same ids on the probe texts.
     Returns the number of texts compared."""
-    from draftport.data import conversations as data_mod
+    from draftport.data.chat import tokenize_conversation
 
     va, vb = tok_a.get_vocab(), tok_b.get_vocab()
     if len(va) != len(vb):
@@ -177,8 +177,8 @@ def check_tokenizers(tok_a, tok_b, conv_texts: list | None = None,
                              f"{', '.join(repr(d) for d in diff)})", where)
     n = 0
     for i, conv in enumerate(conv_texts or []):
-        ia, _ = data_mod.tokenize_conversation(tok_a, conv, chat_template=chat_template, max_len=max_len)
-        ib, _ = data_mod.tokenize_conversation(tok_b, conv, chat_template=chat_template, max_len=max_len)
+        ia, _ = tokenize_conversation(tok_a, conv, chat_template=chat_template, max_len=max_len)
+        ib, _ = tokenize_conversation(tok_b, conv, chat_template=chat_template, max_len=max_len)
         ia, ib = ia.tolist(), ib.tolist()
         if ia != ib:
             at = next((t for t, (x, y) in enumerate(zip(ia, ib)) if x != y), min(len(ia), len(ib)))

@@ -243,8 +243,9 @@ def stage_capture(cfg: StudyConfig, d: str, layers: list[int], n: int) -> dict:
 
 def stage_train(cfg: StudyConfig, d: str, store: str, n: int, init_from: str | None) -> dict:
     from draftport.train import loop as train
+    from draftport.train.config import TrainConfig
 
-    tcfg = make_config(train.TrainConfig, target=cfg.target_b, data=store, out=d, init_from=init_from,
+    tcfg = make_config(TrainConfig, target=cfg.target_b, data=store, out=d, init_from=init_from,
                        max_samples=n, steps=cfg.steps, ttt_steps=cfg.ttt_steps, batch_size=cfg.batch_size,
                        max_len=cfg.max_len, device=cfg.device, dtype=cfg.dtype, seed=cfg.seed, lr=cfg.lr,
                        chat_template=cfg.chat_template, trust_remote_code=cfg.trust_remote_code)

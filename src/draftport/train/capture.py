@@ -61,7 +61,7 @@ class CaptureConfig:
     regenerate: bool = False           # replace assistant turns with the target's own responses first
     samples_per_prompt: int = 1        # regeneration: responses per prompt
     save_data: str | None = None       # also write the captured conversations (JSONL, `messages`) here
-    max_new_tokens: int | None = None  # regeneration: tokens per response (None: data.regenerate's default)
+    max_new_tokens: int | None = None  # regeneration: tokens per response (None: train.regenerate's REGEN_MAX_NEW_TOKENS)
     temperature: float = 0.0           # regeneration: 0 = greedy
     regen_batch_size: int | None = None  # regeneration: prompts per batched generate (None: --batch-size);
                                          # generation is host-bound per step, so GPUs want hundreds
@@ -145,6 +145,7 @@ def _refuse_if_different(out: str, request: dict) -> None:
 def load_data(cfg: CaptureConfig, target, request: dict, console: Console) -> list:
     """The conversations to capture: loaded, or regenerated chunk by chunk (reusing saved chunks)."""
     from draftport.data import conversations as data_mod
+    from draftport.train import regenerate as regen_mod
 
     convs = data_mod.load_conversations(cfg.data, max_samples=cfg.max_samples)
     if not cfg.regenerate:
@@ -169,10 +170,10 @@ def load_data(cfg: CaptureConfig, target, request: dict, console: Console) -> li
         for ci, s in enumerate(chunks):
             path = os.path.join(regen_dir, f"chunk-{ci:05d}.jsonl")
             if not os.path.exists(path):
-                part = data_mod.regenerate(target, convs[s:s + chunk], samples_per_prompt=cfg.samples_per_prompt,
-                                           max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                                           seed=cfg.seed + ci, batch_size=request["regen_batch_size"],
-                                           chat_template=cfg.chat_template, max_len=request["max_len"])
+                part = regen_mod.regenerate(target, convs[s:s + chunk], samples_per_prompt=cfg.samples_per_prompt,
+                                            max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+                                            seed=cfg.seed + ci, batch_size=request["regen_batch_size"],
+                                            chat_template=cfg.chat_template, max_len=request["max_len"])
                 data_mod.save_conversations(path, part)  # atomic: a chunk file is whole or absent
             # always the saved text, so a fresh run and a resumed one tokenize exactly the same data
             out.extend(data_mod.load_conversations(path, quiet=True))
@@ -183,13 +184,13 @@ def load_data(cfg: CaptureConfig, target, request: dict, console: Console) -> li
 
 def tokenize_all(tokenizer, convs, chat_template, max_len, console: Console):
     """-> (ids: list[int32 array], masks: list[uint8 array], skipped). Drops samples with no loss token."""
-    from draftport.data import conversations as data_mod
+    from draftport.data.chat import tokenize_conversation
 
     ids, masks, skipped = [], [], 0
     with _progress(console, unit="conv") as progress:
         task = progress.add_task("tokenizing", total=len(convs))
         for conv in convs:
-            x, m = data_mod.tokenize_conversation(tokenizer, conv, chat_template=chat_template, max_len=max_len)
+            x, m = tokenize_conversation(tokenizer, conv, chat_template=chat_template, max_len=max_len)
             x, m = x.numpy().astype(np.int32), m.numpy().astype(np.uint8)
             if len(x) < 2 or not m.any():
                 skipped += 1
@@ -311,7 +312,8 @@ def run_capture(cfg: CaptureConfig, target=None, console: Console | None = None)
     # a target passed in by a caller decides the compute dtype, whatever the flags said
     request["dtype"] = {torch.bfloat16: "bf16", torch.float32: "fp32"}.get(target.dtype, str(target.dtype))
     max_len = request["max_len"]
-    from draftport.data.conversations import resolve_chat_template, save_conversations
+    from draftport.data.chat import resolve_chat_template
+    from draftport.data.conversations import save_conversations
 
     # an unknown template name fails here, before any regeneration or tokenization
     template_name = getattr(resolve_chat_template(target.tokenizer, cfg.chat_template), "name", None)

@@ -1,6 +1,6 @@
 """Training-time-test (TTT) math as pure torch functions the training loop calls once per step.
 
-Layout (algorithms.md): after the one initial shift, position t of every TTT step belongs to the
+Layout (docs/design.md, TTT): after the one initial shift, position t of every TTT step belongs to the
 same draft chain, anchored at t. Step i at position t reads the token x_{t+1+i} and is scored
 against the target distribution p_{t+1+i}, so step i's token ids, target logits and loss mask are
 the step-0 ones shifted left by i (`shift_left`), with the last i positions masked. Hits of

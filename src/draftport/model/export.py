@@ -1,0 +1,112 @@
+"""`draftport export`: load a drafter in any layout, write it in an engine's (model/formats.py does the
+conversion), and print the command lines that serve it."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+
+from draftport.errors import DraftportError
+from draftport.safeio import atomic_rename_dir
+
+from draftport.model.formats import FORMATS, load_drafter, save_drafter
+
+
+
+@dataclass
+class ExportConfig:
+    drafter: str                          # drafter directory or config.json, any supported layout
+    format: str = "sglang"                # sglang | vllm | speculators
+    out: str | None = None                # output directory (must be new or empty)
+    target: str | None = None             # target dir / config / .gguf / gemma-3-270m: decides the id rules
+    json: bool = False                    # one JSON object on stdout
+    depth: int = 3                        # chain depth for the launch commands and the speculators config
+    include_embedding: bool | None = None  # None: the format decides (see save_drafter)
+
+
+def launch_commands(out: str, format: str, target_path: str | None, k: int) -> dict[str, str]:
+    """The SGLang / vLLM command lines that serve the exported drafter (chain of depth k, topk 1)."""
+    tgt = target_path or "<TARGET>"
+    cmds = {}
+    if format in ("sglang", "vllm"):
+        cmds["sglang"] = " ".join([
+            "python -m sglang.launch_server", "--model-path", shlex.quote(tgt),
+            "--speculative-algorithm EAGLE3", "--speculative-draft-model-path", shlex.quote(out),
+            f"--speculative-num-steps {k}", "--speculative-eagle-topk 1", f"--speculative-num-draft-tokens {k + 1}"])
+    if format in ("vllm", "speculators"):
+        spec_cfg = json.dumps({"method": "eagle3", "model": out, "num_speculative_tokens": k})
+        cmds["vllm"] = f"vllm serve {shlex.quote(tgt)} --speculative-config {shlex.quote(spec_cfg)}"
+    return cmds
+
+
+def export_main(cfg: ExportConfig) -> int:
+    if cfg.format not in FORMATS:
+        raise DraftportError(f"unknown format {cfg.format!r} (expected one of {', '.join(FORMATS)})")
+    if cfg.out is None:
+        raise DraftportError("--out is required")
+    out = Path(cfg.out).absolute()
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise DraftportError("exists and is not an empty directory (choose another --out or remove it)", out)
+    drafter, report = load_drafter(cfg.drafter)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".tmp-{out.name}-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    try:
+        result = save_drafter(drafter, tmp, cfg.format, target=cfg.target, include_embedding=cfg.include_embedding,
+                              num_speculative_tokens=cfg.depth)
+        atomic_rename_dir(str(tmp), str(out))     # the commit point: all files or none
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    aux = result.aux
+    commands = launch_commands(str(out), cfg.format, aux.target_path, cfg.depth)
+    payload = {
+        "out": str(out), "format": cfg.format, "files": result.files, "num_tensors": result.num_tensors,
+        "embedding_included": result.embedding_included,
+        "layers": aux.layers, "layers_source": aux.source,
+        "aux_ids": {"sglang": aux.sglang_ids if cfg.format != "speculators" else None,
+                    "vllm": aux.vllm_ids if cfg.format != "sglang" else None},
+        "target": aux.target_path,
+        "load": {"layout": report.layout, "missing": report.missing, "unexpected": report.unexpected},
+        "notes": result.notes, "launch": commands,
+    }
+    if cfg.json:
+        print(json.dumps(payload))
+        return 0
+    _render(payload)
+    return 0
+
+
+def _render(p: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console()
+    table = Table(title=f"draftport export → {p['format']}", show_header=False)
+    table.add_column(style="bold")
+    table.add_column()
+    table.add_row("written", f"{p['out']} ({', '.join(p['files'])}; {p['num_tensors']} tensors"
+                             f"{', with embedding' if p['embedding_included'] else ''})")
+    table.add_row("aux layers", f"{p['layers']} ({p['layers_source']})")
+    for engine, ids in p["aux_ids"].items():
+        if ids is not None:
+            where = "eagle_config.eagle_aux_hidden_state_layer_ids" if engine == "sglang" else \
+                "eagle_aux_hidden_state_layer_ids (top level)"
+            table.add_row(f"{engine} ids", f"{ids}  [{where}]")
+    if p["load"]["missing"]:
+        table.add_row("missing in source", ", ".join(p["load"]["missing"]))
+    if p["load"]["unexpected"]:
+        table.add_row("ignored from source", ", ".join(p["load"]["unexpected"]))
+    for note in p["notes"]:
+        table.add_row("note", note)
+    con.print(table)
+    for engine, cmd in p["launch"].items():
+        con.print(f"[bold]{engine}[/bold]:")
+        print(cmd, file=sys.stdout)

@@ -1,0 +1,136 @@
+"""Regeneration: the target writes the assistant turns itself (SpecForge's strongest lever), so the
+drafter learns the target's own distribution rather than a dataset author's.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from typing import Sequence
+
+from draftport.data.chat import ChatTemplate, encode_prompt, resolve_chat_template, stop_token_ids
+from draftport.data.conversations import Conversation
+from draftport.errors import DraftportError
+
+REGEN_MAX_NEW_TOKENS = 256  # regeneration: tokens per response unless told otherwise
+
+
+def _stop_on_strings(tokenizer, stop_strings: Sequence[str], prompt_len: int):
+    """A StoppingCriteria (per row) that fires once a row's generated text contains a stop string."""
+    import torch
+    from transformers import StoppingCriteria
+
+    class StopOnStrings(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            texts = tokenizer.batch_decode(input_ids[:, prompt_len:], skip_special_tokens=True)
+            return torch.tensor([any(s in t for s in stop_strings) for t in texts], device=input_ids.device)
+
+    return StopOnStrings()
+
+
+def generate_batch(target, prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float = 0.0,
+                   top_p: float = 1.0, stop_ids: Sequence[int] = (), stop_strings: Sequence[str] = (),
+                   seed: int = 0) -> list[str]:
+    """Continue each prompt (left-padded into one batch, HF generate) and return the response texts,
+    cut at the first stop id or stop string and stripped."""
+    import torch
+    from transformers import GenerationConfig, StoppingCriteriaList
+
+    tok = target.tokenizer
+    pad = tok.pad_token_id if tok.pad_token_id is not None else (list(stop_ids) or [0])[0]
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(list(p), dtype=torch.long)
+        mask[i, width - len(p):] = 1
+    sampling = temperature > 0
+    gen_cfg = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=sampling, pad_token_id=pad,
+                               eos_token_id=list(stop_ids) or None, num_beams=1,
+                               **({"temperature": temperature, "top_p": top_p, "top_k": 0} if sampling else {}))
+    criteria = StoppingCriteriaList([_stop_on_strings(tok, stop_strings, width)] if stop_strings else [])
+    dev = target.device
+    cuda_ids = [dev.index if dev.index is not None else torch.cuda.current_device()] if dev.type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda_ids):  # seeded sampling that leaves the caller's RNG untouched
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            out = target.model.generate(input_ids=ids.to(target.device), attention_mask=mask.to(target.device),
+                                        generation_config=gen_cfg, stopping_criteria=criteria)
+    texts = []
+    for row in out[:, width:].tolist():
+        cut = next((k for k, t in enumerate(row) if t in set(stop_ids)), len(row))
+        text = tok.decode(row[:cut], skip_special_tokens=True)
+        for s in stop_strings:
+            text = text.split(s)[0]
+        texts.append(text.strip())
+    return texts
+
+
+def _feed_until_user(pending: list[dict], out: list[dict]) -> bool:
+    """Move system/user messages from pending to out up to and including the next user turn."""
+    while pending:
+        m = pending.pop(0)
+        out.append(m)
+        if m["role"] == "user":
+            return True
+    return False
+
+
+def regenerate(target, convs: Sequence[Conversation], *, chat_template=None, max_new_tokens: int | None = None,
+               temperature: float = 0.0, top_p: float = 1.0, samples_per_prompt: int = 1, batch_size: int = 8,
+               max_len: int | None = None, seed: int = 0) -> list[Conversation]:
+    """Replace every assistant turn with the target's own response, turn by turn: after each user message
+    the target answers, given the history with its own earlier answers. Conversations are generated in
+    batches; a conversation stops when its next prompt would not leave room under max_len. With
+    samples_per_prompt N each conversation yields N variants (ids "<id>#k"); greedy decoding would make
+    them identical, so at temperature 0 one answer is generated and copied N times (with a warning).
+    max_new_tokens None: REGEN_MAX_NEW_TOKENS."""
+    if samples_per_prompt < 1:
+        raise DraftportError(f"--samples-per-prompt must be at least 1, got {samples_per_prompt}")
+    if samples_per_prompt > 1 and temperature <= 0:
+        print(f"draftport: --samples-per-prompt {samples_per_prompt} with greedy decoding gives identical answers; "
+              "pass --temperature > 0 for different ones", file=sys.stderr)
+        once = regenerate(target, convs, chat_template=chat_template, max_new_tokens=max_new_tokens, top_p=top_p,
+                          batch_size=batch_size, max_len=max_len, seed=seed)
+        return [Conversation(messages=[dict(m) for m in c.messages], id=f"{c.id}#{k}")
+                for c in once for k in range(samples_per_prompt)]
+    max_new_tokens = REGEN_MAX_NEW_TOKENS if max_new_tokens is None else max_new_tokens
+    tok = target.tokenizer
+    template = resolve_chat_template(tok, chat_template)
+    stop_ids = stop_token_ids(tok, template, target.eos_token_ids)
+    stop_strings = template.stop_strings if isinstance(template, ChatTemplate) else ()
+    jobs = []  # [id, prompt-side messages still to feed, messages so far]
+    for n, conv in enumerate(convs):
+        base = [m for m in conv.messages if m["role"] != "assistant"]
+        cid = conv.id if conv.id is not None else str(n)
+        jobs += [[cid if samples_per_prompt == 1 else f"{cid}#{k}", list(base), []] for k in range(samples_per_prompt)]
+    results: list[Conversation] = []
+    for start in range(0, len(jobs), batch_size):
+        batch = jobs[start:start + batch_size]
+        for step in itertools.count():
+            ready = [job for job in batch if _feed_until_user(job[1], job[2])]
+            prompts = [encode_prompt(tok, job[2], template) for job in ready]
+            fits = [max_len is None or len(p) < max_len for p in prompts]
+            for job, ok in zip(ready, fits):
+                if not ok:
+                    job[1].clear()  # no room for an answer: this conversation ends here
+            ready = [j for j, ok in zip(ready, fits) if ok]
+            prompts = [p for p, ok in zip(prompts, fits) if ok]
+            if not ready:
+                break  # every conversation of the batch has answered its last user turn (or ran out of room)
+            room = max_new_tokens if max_len is None else min(max_new_tokens, max_len - min(len(p) for p in prompts))
+            texts = generate_batch(target, prompts, room, temperature, top_p, stop_ids, stop_strings,
+                                   seed=seed + 1000003 * start + step)
+            for job, text in zip(ready, texts):
+                if text:
+                    job[2].append({"role": "assistant", "content": text})
+                else:
+                    job[1].clear()  # an empty answer ends the conversation (and keeps save → load exact)
+        for cid, _, out in batch:
+            while out and out[-1]["role"] != "assistant":
+                out.pop()  # an unanswered trailing user turn teaches nothing
+            if out:
+                results.append(Conversation(messages=out, id=cid))
+    if not results:
+        raise DraftportError("regeneration produced no conversations (prompts longer than --max-len?)")
+    return results
