@@ -7,7 +7,7 @@ For a chain of depth k whose steps each pass with an independent probability α,
 increasing on [0, 1], so α for a given τ is found by bisection. A depth-k chain never exceeds τ = k+1:
 a goal beyond that is an answer (`reachable` false, `min_depth`), not an error.
 
-No torch, no scipy: this verb must answer in well under a second (design.md §3).
+No torch, no scipy: this verb must answer in well under a second (docs/design.md).
 """
 
 from __future__ import annotations

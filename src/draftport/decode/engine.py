@@ -63,7 +63,7 @@ class EngineConfig:
         return self.topk > 1
 
     def resolved(self) -> "EngineConfig":
-        """Defaults of design.md §2 filled in, and the values checked."""
+        """SGLang's defaults filled in (docs/design.md, Decoding), and the values checked."""
         depth = self.depth if self.depth is not None else (5 if self.is_tree else 3)
         nodes = self.num_draft_tokens if self.num_draft_tokens is not None else (8 if self.is_tree else depth + 1)
         if self.topk < 1 or depth < 1:
@@ -646,7 +646,7 @@ class SpecEngine:
         """(hidden [H], draft logits [Vd]) of the row that predicts x_{n+1}.
 
         After a cycle the drafter first re-reads the target's aux states at the accepted positions
-        (algorithms.md chain step 4): one extend over depth+1 rows, of which rows 0..a are real and
+        (docs/design.md, the chain cycle): one extend over depth+1 rows, of which rows 0..a are real and
         the rest padding that later draft steps overwrite (a fixed shape, so it can be graphed)."""
         if state[0] == "ready":
             return state[1], state[2]

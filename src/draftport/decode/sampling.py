@@ -1,6 +1,6 @@
 """The sampling math of speculative decoding: warps, lossless accept/reject, EAGLE-2 dynamic trees.
 
-Pure functions over tensors, no model code, so each rule can be tested alone (algorithms.md,
+Pure functions over tensors, no model code, so each rule can be tested alone (docs/design.md,
 "Chain speculation" and "Dynamic tree"). Everything runs on the tensors' device without a host
 sync: random numbers come from an explicit `torch.Generator`, categorical sampling uses the
 exponential-race trick (argmax of p / E, E ~ Exp(1)) instead of `torch.multinomial`, and data-
