@@ -271,13 +271,10 @@ def _run(cfg: TrainConfig, info, target, console) -> dict:
         raise bad_input(out, "--out exists and is not a directory")
     os.makedirs(out, exist_ok=True)
     dev = info.device
-    dtype = cfg.dtype or ("bf16" if dev.type == "cuda" else "fp32")
-    B, k = cfg.batch_size or 4, cfg.ttt_steps
-    if B < 1 or k < 1 or cfg.max_nonfinite_steps < 1:
-        raise DraftportError(f"--batch-size, --ttt-steps and --max-nonfinite-steps must be at least 1 "
-                             f"(got {B}, {k}, {cfg.max_nonfinite_steps})")
+    run = cfg.resolved(dev.type, distributed=info.distributed)  # the defaults; steps once the data is known
+    dtype, B, k = run.dtype, run.batch_size, run.ttt_steps
     parallel.rank_slice(B, info)  # divisible by the ranks, or a one-line error
-    request = request_config(cfg, dev)
+    request = request_config(cfg, dev)  # the flags as given: the run's identity
     ckpt.check_run_dir(out, request, cfg.restart)
     parallel.barrier(info)
     if info.is_main:
@@ -300,22 +297,18 @@ def _run(cfg: TrainConfig, info, target, console) -> dict:
             console.print(f"[yellow]warning: {bad} has no resume/state.json (copied in part?); "
                           f"{'resuming from ' + str(latest) if latest else 'starting over'}[/yellow]")
     drafter, layers, notes = build_drafter(cfg, target, data, train_idx, console, latest is not None, dev)
-    steps = cfg.steps or max(1, len(train_idx) // B)
-    peak = cfg.lr or (5e-5 if cfg.init_from else 1e-4)
+    run = cfg.resolved(dev.type, distributed=info.distributed, num_train=len(train_idx))
+    steps, peak, attention = run.steps, run.lr, run.attention
     warmup = max(1, round(cfg.warmup_ratio * steps))
     if cfg.activation_checkpointing:
         enable_activation_checkpointing(drafter)
-    attention = cfg.attention if cfg.attention != "auto" else ("flex" if dev.type == "cuda" else "eager")
-    if attention not in ("flex", "eager") or (attention == "flex" and dev.type != "cuda"):
-        raise DraftportError(f"attention {cfg.attention!r}: expected eager, or flex on CUDA")
-    model = TTTModel(drafter, k, cfg.loss_chunk, attention,
-                     compile=cfg.compile if cfg.compile is not None else dev.type == "cuda",
+    model = TTTModel(drafter, k, cfg.loss_chunk, attention, compile=run.compile,
                      regions="elementwise" if info.distributed else "layer")
     bf16 = dtype == "bf16"
     parallel.apply_fsdp(model, info, ignored_params={drafter.embed_tokens.weight}, bf16=bf16)
     amp = (lambda: torch.autocast(dev.type, dtype=torch.bfloat16)) if bf16 and not info.distributed else nullcontext
     params = [p for p in model.parameters() if p.requires_grad]
-    device_guard = (cfg.device_guard if cfg.device_guard is not None else dev.type == "cuda") and not info.distributed
+    device_guard = run.device_guard
     # fused: one kernel for all tensors, and it can skip a non-finite step on the device (guarded_update)
     opt = torch.optim.AdamW(params, lr=peak, weight_decay=cfg.weight_decay, **({"fused": True} if device_guard else {}))
     fingerprint = {**request, "steps": steps, "lr": peak, "batch_size": B, "aux_layers": layers,
@@ -364,15 +357,12 @@ def _run(cfg: TrainConfig, info, target, console) -> dict:
         def write_model(d, full_sd):
             ckpt.export_copy(drafter.spec, full_sd).save_pretrained(d, format="sglang", target=target, layers=layers)
 
-        keep = 3 if cfg.keep_last is None else cfg.keep_last
         return str(ckpt.save_training_state(out, done, model, opt, info, meta, write_model=write_model,
-                                            keep_last=keep, skip=(EMBED,)))
+                                            keep_last=run.keep_last, skip=(EMBED,)))
 
     pad_to = 128 if attention == "flex" else 1
     cache = HeadCache(cfg.target_cache_mb << 20)
-    log_every = cfg.log_every or (10 if dev.type == "cuda" else 1)
-    val_every = steps // 5 if cfg.val_every is None else cfg.val_every
-    save_every = cfg.save_every or 1000
+    log_every, val_every, save_every = run.log_every, run.val_every, run.save_every
     slow = float(os.environ.get("DRAFTPORT_TEST_SLOW_STEP_S", "0") or 0)  # test hook: time to kill a run
     if start == 0:
         initial_val = validate(model, data, val_idx, layers, target, k, B, info, dev, amp, cache)
