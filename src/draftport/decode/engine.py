@@ -17,6 +17,8 @@ The target is driven through HF's own forward (any decoder-only model target.py 
 (or a {layer type: mask} dict for models with sliding layers), which HF's mask builders pass through
 unchanged. On CUDA the verify pass and the draft steps replay from CUDA graphs (greedy cycles after
 the first replay their whole draft phase as one graph); on CPU they run eagerly.
+The static cache, the graph capture and the attention-kernel choice live in decode/graphs.py; this
+module holds the engine's configuration, its passes and the drafting cycles.
 """
 
 from __future__ import annotations
@@ -30,9 +32,9 @@ import warnings
 from dataclasses import dataclass, field
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
 
 from draftport.decode import sampling
+from draftport.decode.graphs import SDPA_CHOICES, Graphed, SlotCache, attention_layout, sdpa_context
 from draftport.model.fusion import FusedTarget
 from draftport.errors import DraftportError
 
@@ -83,22 +85,6 @@ class EngineConfig:
         return dataclasses.replace(self, depth=depth, num_draft_tokens=nodes)
 
 
-SDPA_CHOICES = ("auto", "default", "efficient", "math", "cudnn")
-
-
-def sdpa_context(choice: str):
-    """The scaled-dot-product-attention kernels a target pass may use. Why choose: on the H200 the
-    default (cuDNN) kernel took 56 µs a layer for an 8-token verify against a masked 1024-slot cache,
-    7 µs for 1 token; the best kernel depends on the shape, so graphed passes try each ("auto")."""
-    if choice in ("auto", "default"):
-        return contextlib.nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    return sdpa_kernel({"efficient": [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH],
-                        "math": [SDPBackend.MATH],
-                        "cudnn": [SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH]}[choice])
-
-
 @dataclass
 class Timings:
     draft_s: list[float] = field(default_factory=list)     # per cycle: drafter extend + steps (+ tree build)
@@ -122,124 +108,6 @@ class GenerationResult:
 
 
 # ---------------------------------------------------------------------------------------------
-# The target's static cache: HF Cache layers written at the slots the engine picks
-# ---------------------------------------------------------------------------------------------
-
-class _SlotLayer(CacheLayerMixin):
-    """One layer's full-length K/V buffers [B, Hkv, max_len, D]; `update` writes the new keys at
-    the owner's current `slots` [T] and returns the whole buffers (the 4D mask does the rest)."""
-
-    is_compileable = True
-    is_sliding = False  # sliding windows live in the mask: a full-length cache never evicts
-
-    def __init__(self, owner: "_SlotCache", max_len: int):
-        super().__init__()
-        self.owner, self.max_len = owner, max_len
-
-    def lazy_initialization(self, key_states, value_states):
-        B, H = key_states.shape[:2]
-        self.keys = key_states.new_zeros(B, H, self.max_len, key_states.shape[-1])
-        self.values = value_states.new_zeros(B, H, self.max_len, value_states.shape[-1])
-        self.device, self.is_initialized = key_states.device, True
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        self.keys.index_copy_(2, self.owner.slots, key_states)
-        self.values.index_copy_(2, self.owner.slots, value_states)
-        return self.keys, self.values
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.max_len, 0
-
-    def get_seq_length(self) -> int:
-        return 0  # unused: the engine always passes position_ids and a prepared mask
-
-    def get_max_length(self) -> int:
-        return self.max_len
-
-
-class _SlotCache(Cache):
-    def __init__(self, num_layers: int, max_len: int):
-        self.slots: torch.Tensor | None = None  # [T] int64, set before each forward
-        super().__init__(layers=[_SlotLayer(self, max_len) for _ in range(num_layers)])
-
-    def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Copy entries at slots src [M] to slots dst [M] in every layer (gather first, so overlaps are safe)."""
-        for layer in self.layers:
-            if layer.is_initialized:
-                layer.keys.index_copy_(2, dst, layer.keys.index_select(2, src))
-                layer.values.index_copy_(2, dst, layer.values.index_select(2, src))
-
-
-# ---------------------------------------------------------------------------------------------
-# CUDA graphs: one per (call, shape), replayed with static input / output buffers
-# ---------------------------------------------------------------------------------------------
-
-class _Graphed:
-    """Runs fn(*tensors) -> tuple eagerly, or captures it once in a CUDA graph and replays it.
-
-    Warm-up and capture use the first call's real inputs: the functions wrapped here only write
-    cache slots their inputs name, so running them twice is harmless (same values, same slots).
-    Outputs are static buffers, overwritten by the next replay.
-    With several `variants` (context-manager factories, e.g. attention-kernel choices) each is
-    captured and replayed a few times, and the fastest graph is kept (`self.choice` its index).
-    """
-
-    def __init__(self, fn, enabled: bool, pool=None, variants=(contextlib.nullcontext,)):
-        self.fn, self.enabled, self.pool, self.variants = fn, enabled, pool, variants
-        self.graph = self.inputs = self.outputs = self.choice = None
-
-    def _capture(self, variant):
-        with variant():
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(2):
-                    self.fn(*self.inputs)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                outputs = self.fn(*self.inputs)
-        return graph, outputs
-
-    def __call__(self, *args: torch.Tensor):
-        if not self.enabled:
-            with self.variants[0]():
-                return self.fn(*args)
-        if self.graph is None:
-            self.inputs = [a.clone() for a in args]
-            best = None
-            for i, variant in enumerate(self.variants):
-                try:
-                    graph, outputs = self._capture(variant)
-                except RuntimeError:  # a kernel choice that cannot run this shape (e.g. no kernel for the mask)
-                    if i + 1 == len(self.variants) and best is None:
-                        raise
-                    continue
-                ms = _replay_ms(graph) if len(self.variants) > 1 else 0.0
-                if best is None or ms < best[0]:
-                    best = (ms, i, graph, outputs)
-            _, self.choice, self.graph, self.outputs = best
-        else:
-            for dst, src in zip(self.inputs, args):
-                dst.copy_(src)
-        self.graph.replay()
-        return self.outputs
-
-
-def _replay_ms(graph, n: int = 10) -> float:
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(n):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / n
-
-
-# ---------------------------------------------------------------------------------------------
 # The engine
 # ---------------------------------------------------------------------------------------------
 
@@ -260,10 +128,10 @@ class SpecEngine:
         self.num_layers = int(text.num_hidden_layers)
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
         self.S = int(self.cfg.max_len)
-        self._layer_types, self._windows = _attention_layout(text)
+        self._layer_types, self._windows = attention_layout(text)
         params = inspect.signature(self.model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5.2x
-        self.cache = _SlotCache(self.num_layers, self.S)
+        self.cache = SlotCache(self.num_layers, self.S)
         self._ar = torch.arange(self.S, device=self.device)
         self._ones11 = torch.ones(1, 1, dtype=torch.bool, device=self.device)
         self._zero = torch.zeros((), dtype=torch.long, device=self.device)
@@ -272,7 +140,7 @@ class SpecEngine:
         if use_graphs and self.device.type != "cuda":
             raise DraftportError("CUDA graphs need a CUDA target (use_cuda_graphs=True on a CPU model)")
         self.use_graphs = use_graphs
-        self._graphs: dict[tuple, _Graphed] = {}
+        self._graphs: dict[tuple, Graphed] = {}
         # eager on the CPU too (same code path as the captured graph, so the CPU tests cover it)
         self._whole_phase = self.cfg.graph_draft_phase
         fuse = self.cfg.fuse if self.cfg.fuse is not None else self.device.type == "cuda"
@@ -319,7 +187,7 @@ class SpecEngine:
             # reads AFTER the verify graph (captured in cycle 1) has replayed — on the H200 its paths came
             # back as garbage indices (device-side assert). Private pools cost only the graphs' scratch.
             pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
-            g = self._graphs[key] = _Graphed(fn, self.use_graphs, pool, variants)
+            g = self._graphs[key] = Graphed(fn, self.use_graphs, pool, variants)
         return g(*args)
 
     def sdpa_choices(self) -> dict[str, str]:
@@ -670,26 +538,6 @@ def _extend_tokens(drafts: torch.Tensor, a: torch.Tensor, nxt: torch.Tensor) -> 
     i = torch.arange(W, device=drafts.device)
     padded = torch.cat([drafts, nxt[None]])
     return torch.where(i < a, padded, nxt)
-
-
-def _attention_layout(text_config) -> tuple[list[str], list[int | None]]:
-    """Layer types of the target and the window of each (None = full attention)."""
-    types = getattr(text_config, "layer_types", None)
-    window = getattr(text_config, "sliding_window", None)
-    if not types:
-        types = ["sliding_attention" if window else "full_attention"]
-    kinds = []
-    for kind in dict.fromkeys(types):
-        if kind == "full_attention":
-            kinds.append((kind, None))
-        elif kind == "sliding_attention":
-            if not window:
-                raise DraftportError("target has sliding-window layers but no sliding_window in its config")
-            kinds.append((kind, int(window)))
-        else:
-            raise DraftportError(f"target layer type {kind!r} is not supported by the engine "
-                                 "(full and sliding-window attention are)")
-    return [k for k, _ in kinds], [w for _, w in kinds]
 
 
 class _Clock:
