@@ -1,4 +1,4 @@
-"""Training-step throughput of draftport's TTT trainer (train.TTTModel), for the side-by-side with
+"""Training-step throughput of draftport's TTT trainer (train/ttt.TTTModel), for the side-by-side with
 SpecForge v0.2.0's own training step (its flex-attention path) on the same GPU.
 
 Same setup as the anchor: Llama-3.1-8B-shaped drafter (H 4096, 32/8 heads, intermediate 14336,
@@ -13,7 +13,7 @@ Usage: python benchmarks/bench_train.py [--T 2048] [--steps 8] [--shape 8b|gemma
 --max-T doubles T from --T (one step each) until a step runs out of memory and reports the largest
 that trained. Prints one line `RESULT {json}` per measurement.
 Each timed step (step_ms_median) ends with a sync, as the anchor's do; the trainer's NaN/Inf guard is
-decided on the device (train.guarded_update). The same steps are then run queued back to back, as the
+decided on the device (train/loop.guarded_update). The same steps are then run queued back to back, as the
 trainer runs them between two metrics lines: queued_step_ms_mean (device guard) and
 queued_host_guard_step_ms_mean (one host read of the gradient norm a step, the trainer before).
 """

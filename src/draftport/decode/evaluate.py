@@ -331,6 +331,22 @@ def offline_on_outputs(spec, target, prompt_ids: list[int], continuation: list[i
 # eval
 # ---------------------------------------------------------------------------------------------
 
+def eval_engines(cfg: EvalConfig, target, drafter, prompts: list[list[int]], N: int):
+    """-> (the speculative EngineConfig resolved, the plain engine, the speculative engine), both with
+    caches long enough for the longest prompt, N new tokens and one cycle's drafts past them."""
+    from draftport.decode.engine import EngineConfig, SpecEngine
+
+    ecfg = EngineConfig(depth=cfg.depth, topk=cfg.topk, num_draft_tokens=cfg.num_draft_tokens,
+                        temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed, fuse=cfg.fuse,
+                        sdpa=cfg.sdpa).resolved()
+    k = ecfg.depth
+    per_cycle = max(ecfg.num_draft_tokens, k + 1, (k - 1) * ecfg.topk + 1)
+    ecfg.max_len = max(len(p) for p in prompts) + N + k + per_cycle + 8
+    base = SpecEngine(target, None, EngineConfig(temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed,
+                                                 max_len=ecfg.max_len, fuse=cfg.fuse, sdpa=cfg.sdpa))
+    return ecfg, base, SpecEngine(target, drafter, ecfg)
+
+
 def run_eval(cfg: EvalConfig, *, target=None, drafter=None, console=None) -> dict:
     """Evaluate and write the outputs; returns the summary. `target` / `drafter` may be passed in
     (already-loaded objects, e.g. tiny test models); otherwise they are loaded from cfg."""
@@ -340,7 +356,6 @@ def run_eval(cfg: EvalConfig, *, target=None, drafter=None, console=None) -> dic
     from draftport.decode import offline
     from draftport.data.chat import stop_token_ids
     from draftport.data.conversations import load_prompts
-    from draftport.decode.engine import EngineConfig, SpecEngine
 
     console = console or Console(stderr=True)
     N = cfg.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
@@ -359,15 +374,8 @@ def run_eval(cfg: EvalConfig, *, target=None, drafter=None, console=None) -> dic
         drafter = load_drafter_for(cfg.drafter, target)
     prompts = encode_prompts(target, convs, cfg.chat_template, cfg.max_len)
     stops = stop_token_ids(target.tokenizer, cfg.chat_template, target.eos_token_ids)
-    ecfg = EngineConfig(depth=cfg.depth, topk=cfg.topk, num_draft_tokens=cfg.num_draft_tokens,
-                        temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed, fuse=cfg.fuse,
-                        sdpa=cfg.sdpa).resolved()
+    ecfg, base, spec = eval_engines(cfg, target, drafter, prompts, N)
     k = ecfg.depth
-    per_cycle = max(ecfg.num_draft_tokens, k + 1, (k - 1) * ecfg.topk + 1)
-    ecfg.max_len = max(len(p) for p in prompts) + N + k + per_cycle + 8
-    base = SpecEngine(target, None, EngineConfig(temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed,
-                                                 max_len=ecfg.max_len, fuse=cfg.fuse, sdpa=cfg.sdpa))
-    spec = SpecEngine(target, drafter, ecfg)
     greedy = cfg.temperature <= 0
     n_base = N + k - 1                               # past N so the offline walk can score the last cycle
 

@@ -3,8 +3,8 @@
 Three answers, all on the same token sequences:
 1. Tokenizer identity. A drafter indexes the target's vocabulary (embedding, d2t/t2d, lm_head rows),
    so A and B must tokenize every probe text to the same ids; otherwise the probe refuses in one line.
-2. Per aux layer (the layers the drafter is fed on each target — `compat.capture_layers` — or the
-   default [2, L//2, L-3] without a drafter): mean and 5th-percentile cosine similarity of h_A(t) and
+2. Per aux layer (the layers the drafter is fed on each target — check/layers.py's rule with
+   the probe's --engine — or the default [2, L//2, L-3] without a drafter): mean and 5th-percentile cosine similarity of h_A(t) and
    h_B(t) over tokens, linear CKA (centered, on token features) and the norm ratio
    mean ||h_B|| / mean ||h_A|| (fc reads raw states, so a scale change alone hurts a plugged-in drafter).
 3. Plug-in τ: the offline acceptance length of drafter DA when fed B's hidden states and verified

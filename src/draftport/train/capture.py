@@ -1,6 +1,6 @@
 """`draftport capture`: run the target over (optionally regenerated) conversations into a store.
 
-Order and resume. Samples keep the order `data.load_conversations` gives (after dropping those with
+Order and resume. Samples keep the order `data/conversations.load_conversations` gives (after dropping those with
 no assistant token left after truncation), so sample i of the store is stable. Shard boundaries are
 fixed up front from the token counts (~`shard_tokens` per shard); inside one shard the samples are
 sorted by length and batched (little padding), then written back in store order. Everything that

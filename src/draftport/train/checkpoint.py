@@ -394,7 +394,7 @@ def _host_rng_ok(state: Any) -> bool:
 
 
 def check_resume_meta(meta: dict, where: str | os.PathLike) -> None:
-    """The resume JSON has the shape restore and train.py rely on; else one line naming the key.
+    """The resume JSON has the shape restore and train/loop.py rely on; else one line naming the key.
 
     state.json is not covered by a checksum (it holds the others), so its structure is checked here,
     before anything is restored from it."""

@@ -36,7 +36,7 @@ class TrainConfig:
     warmup_ratio: float = 0.015          # linear warmup over this fraction of the steps (≥ 1 step)
     weight_decay: float = 0.0            # AdamW decoupled weight decay
     max_grad_norm: float = 0.5           # gradient clipping (SpecForge's default)
-    val_fraction: float = 0.05           # held-out share of the data (data.split_train_val, by seed)
+    val_fraction: float = 0.05           # held-out share of the data (data/conversations.split_train_val, by seed)
     val_max_samples: int = 256           # validate on at most this many held-out samples
     loss_chunk: int = 8192               # positions per chunk of the fused lm_head + soft CE
     attention: str = "auto"              # TTT attention: flex (fused, CUDA) | eager | auto (flex on CUDA)

@@ -252,50 +252,81 @@ def run_train(cfg: TrainConfig, target=None, console=None) -> dict:
         parallel.shutdown(info)
 
 
-def _run(cfg: TrainConfig, info, target, console) -> dict:
-    from contextlib import nullcontext
-
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-    from draftport.data.conversations import split_train_val
-
-    console = console or Console(stderr=True)
-    if not info.is_main:
-        console = Console(stderr=True, quiet=True)
+def open_run_dir(cfg: TrainConfig, info) -> tuple[str, dict]:
+    """-> (the run directory, the run's identity). Made on every rank as one directory even without
+    --out; a run started with other flags is refused unless --restart; every rank seeded."""
     if cfg.out is None:
         from draftport.safeio import default_out
         cfg = dataclasses.replace(cfg, out=default_out("train"))
-    out = parallel.broadcast_json(os.path.abspath(cfg.out), info)  # one directory even without --out
+    out = parallel.broadcast_json(os.path.abspath(cfg.out), info)
     if os.path.exists(out) and not os.path.isdir(out):
         raise bad_input(out, "--out exists and is not a directory")
     os.makedirs(out, exist_ok=True)
-    dev = info.device
-    run = cfg.resolved(dev.type, distributed=info.distributed)  # the defaults; steps once the data is known
-    dtype, B, k = run.dtype, run.batch_size, run.ttt_steps
-    parallel.rank_slice(B, info)  # divisible by the ranks, or a one-line error
-    request = request_config(cfg, dev)  # the flags as given: the run's identity
+    run = cfg.resolved(info.device.type, distributed=info.distributed)  # bad values refused before any file
+    parallel.rank_slice(run.batch_size, info)  # divisible by the ranks, or a one-line error
+    request = request_config(cfg, info.device)  # the flags as given: the run's identity
     ckpt.check_run_dir(out, request, cfg.restart)
     parallel.barrier(info)
     if info.is_main:
         ckpt.start_run_dir(out, request, cfg.restart)
     parallel.barrier(info)
     ckpt.seed_everything(cfg.seed + info.rank)
+    return out, request
 
-    if target is None:
-        with console.status(f"loading target {cfg.target}"):
-            target = load_train_target(cfg, dev, dtype)
+
+def load_samples(cfg: TrainConfig, target, info, B: int, console):
+    """-> (Samples, train indices, validation indices), the store's checksums verified first."""
+    from draftport.data.conversations import split_train_val
+
     data = Samples(cfg.data, target, console, max_samples=cfg.max_samples, max_len=cfg.max_len,
-                            chat_template=cfg.chat_template)
+                   chat_template=cfg.chat_template)
     data.verify(info)  # a store's shards against their sha256, before a step trains on them
     train_idx, val_idx = split_train_val(len(data), cfg.val_fraction, cfg.seed)
     val_idx = val_idx[:cfg.val_max_samples]
     parallel.epoch_batch(0, len(train_idx), B, cfg.seed)  # a batch larger than the data: one-line error now
+    return data, train_idx, val_idx
+
+
+def newest_checkpoint(cfg: TrainConfig, out: str, console):
+    """The checkpoint to resume from (None: start fresh), warning about newer ones that are unusable."""
     latest = None if cfg.restart else ckpt.latest_checkpoint(out)
     for bad in [] if cfg.restart else ckpt.unusable_checkpoints(out):
         if latest is None or bad.name > latest.name:
             console.print(f"[yellow]warning: {bad} has no resume/state.json (copied in part?); "
                           f"{'resuming from ' + str(latest) if latest else 'starting over'}[/yellow]")
+    return latest
+
+
+def resume(latest, model, opt, info, fingerprint: dict, notes: dict):
+    """Restore model, optimizer and RNG from `latest` -> (step, notes, initial_val, last metrics, skipped)."""
+    meta = ckpt.verify_checkpoint(latest)  # checksums first: a flipped byte is damage, not "other settings"
+    diff = ckpt.config_mismatch(meta.get("config", {}), fingerprint)
+    if diff:
+        raise DraftportError(f"newest checkpoint was trained with other settings ({diff}); rerun with "
+                             "--restart to start over, or use another --out", latest)
+    meta = ckpt.restore_training_state(latest, model, opt, info, skip=(EMBED,), verify=False)
+    return (int(meta["step"]), meta.get("notes", notes), meta.get("initial_val"), meta.get("last_metrics", {}),
+            int(meta.get("skipped_steps", 0) or 0))
+
+
+def _run(cfg: TrainConfig, info, target, console) -> dict:
+    from contextlib import nullcontext
+
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    console = console or Console(stderr=True)
+    if not info.is_main:
+        console = Console(stderr=True, quiet=True)
+    out, request = open_run_dir(cfg, info)
+    dev = info.device
+    run = cfg.resolved(dev.type, distributed=info.distributed)  # the defaults; steps once the data is known
+    dtype, B, k = run.dtype, run.batch_size, run.ttt_steps
+    if target is None:
+        with console.status(f"loading target {cfg.target}"):
+            target = load_train_target(cfg, dev, dtype)
+    data, train_idx, val_idx = load_samples(cfg, target, info, B, console)
+    latest = newest_checkpoint(cfg, out, console)
     drafter, layers, notes = build_drafter(cfg, target, data, train_idx, console, latest is not None, dev)
     run = cfg.resolved(dev.type, distributed=info.distributed, num_train=len(train_idx))
     steps, peak, attention = run.steps, run.lr, run.attention
@@ -317,15 +348,7 @@ def _run(cfg: TrainConfig, info, target, console) -> dict:
 
     start, initial_val, last, skipped = 0, None, {}, 0
     if latest is not None:
-        meta = ckpt.verify_checkpoint(latest)  # checksums first: a flipped byte is damage, not "other settings"
-        diff = ckpt.config_mismatch(meta.get("config", {}), fingerprint)
-        if diff:
-            raise DraftportError(f"newest checkpoint was trained with other settings ({diff}); rerun with "
-                                 "--restart to start over, or use another --out", latest)
-        meta = ckpt.restore_training_state(latest, model, opt, info, skip=(EMBED,), verify=False)
-        start, notes = int(meta["step"]), meta.get("notes", notes)
-        initial_val, last = meta.get("initial_val"), meta.get("last_metrics", {})
-        skipped = int(meta.get("skipped_steps", 0) or 0)
+        start, notes, initial_val, last, skipped = resume(latest, model, opt, info, fingerprint, notes)
         console.print(f"resuming from {latest} (step {start} of {steps})")
 
     metrics_path = os.path.join(out, "metrics.jsonl")

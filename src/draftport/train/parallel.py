@@ -99,7 +99,7 @@ def apply_fsdp(model: torch.nn.Module, info: DistInfo, *, blocks: list[torch.nn.
     everything stays fp32). ignored_params stay whole on every rank and are never all-gathered: the
     frozen target embedding ([V, H], no gradient) would otherwise be gathered at every step.
     Only the root's forward triggers the root's all-gather, so callers run the whole training step
-    through `model(...)` (train.TTTModel), never through methods of an inner module.
+    through `model(...)` (train/ttt.TTTModel), never through methods of an inner module.
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
