@@ -87,7 +87,9 @@ def test_missing_target_uses_the_draftport_record_or_asks():
 
 
 @settings(max_examples=200, deadline=None)
-@given(layers=st.lists(st.integers(0, 59), min_size=1, max_size=5), family=st.sampled_from(["llama", "deepseek"]),
+# unique ascending layers: anything else is refused before the mapping (test_aux_ids_* in test_engines.py)
+@given(layers=st.lists(st.integers(0, 59), min_size=1, max_size=5, unique=True).map(sorted),
+       family=st.sampled_from(["llama", "deepseek"]),
        engine=st.sampled_from(["sglang", "vllm"]))
 def test_engine_aux_ids_inverts_capture_layers(layers, family, engine):
     target = _target("DeepseekV3ForCausalLM" if family == "deepseek" else "LlamaForCausalLM",

@@ -55,6 +55,18 @@ def _int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
 
 
+def _aux_list(text: str) -> list[int]:
+    """--aux-layers: unique ids in ascending order, the order both engines feed them (engines.py)."""
+    from draftport.engines import validate_aux_ids
+    from draftport.errors import DraftportError
+
+    ids = _int_list(text)
+    try:
+        return list(validate_aux_ids(ids, None))
+    except DraftportError as exc:
+        raise argparse.ArgumentTypeError(str(exc))
+
+
 def _add_common(p: argparse.ArgumentParser, *, target=False, data=False, out=False, samples=False,
                 device=False, seed=False, json=True, template=False, gen=False) -> None:
     if target:
@@ -118,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("capture", help="target hidden states → a sharded store")
     _add_common(p, target=True, data=True, out=True, samples=True, device=True, seed=True, template=True)
-    p.add_argument("--aux-layers", type=_int_list, default=None, help="'input of decoder layer i' ids (default 2,L//2,L-3)")
+    p.add_argument("--aux-layers", type=_aux_list, default=None, help="'input of decoder layer i' ids (default 2,L//2,L-3)")
     p.add_argument("--regenerate", action="store_true", help="replace assistant turns with the target's own responses")
     p.add_argument("--samples-per-prompt", type=int, default=1)
     p.add_argument("--regen-batch-size", type=int, default=None,
@@ -139,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-vocab-size", type=int, default=None, help="default min(32000, V)")
     p.add_argument("--lm-head-from-target", action="store_true",
                    help="from scratch: the drafter's lm_head starts as the target's head rows (same hidden size)")
-    p.add_argument("--aux-layers", type=_int_list, default=None)
+    p.add_argument("--aux-layers", type=_aux_list, default=None)
     p.add_argument("--lr", type=float, default=None)
     p.add_argument("--val-every", type=int, default=None)
     p.add_argument("--save-every", type=int, default=None)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from draftport.engines import (ENGINE_NAMES, ENGINES, EngineRef, aux_count_problem, drafter_problems,
                                embedding_problem, extra_layer_form, parse_engines, sglang_rule_note, target_support)
 from draftport.engines import sglang_adds_one as _sglang_adds_one
+from draftport.engines import validate_aux_ids
 from draftport.errors import DraftportError, bad_input
 from draftport.inventory import (FROZEN_OR_TRAINING, PICKLE_SUFFIXES, VOCAB_BUFFERS, Inventory, TensorInfo,
                                  canonical_name, expected_inventory, read_d2t, read_inventory)
@@ -91,6 +92,7 @@ def engine_aux_ids(layers: list[int], target: TargetSpec | None, engine: str) ->
     layers = [int(i) for i in layers]
     if not layers or min(layers) < 0:
         raise bad_input(None, f"aux layers must be a non-empty list of ids >= 0, got {layers}")
+    layers = list(validate_aux_ids(layers, None, "aux layers"))  # the ids written must keep the fc's column order
     if target is not None and max(layers) >= target.num_layers:
         raise bad_input(target.source, f"aux layer {max(layers)} is out of range for a {target.num_layers}-layer target")
     if engine == "vllm":
