@@ -114,7 +114,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("drafter", help="drafter dir or config.json")
     p.add_argument("other", nargs="?", default=None, help="a second drafter to compare against")
     p.add_argument("--target", default=None, help="target dir, config.json or .gguf")
-    p.add_argument("--engine", default="both", choices=["sglang", "vllm", "both"])
+    p.add_argument("--engine", default="both", metavar="ENGINE[@VERSION]",
+                   help="whose loading and aux-id rules to apply: sglang, vllm or both (default); a version picks "
+                        "that release's rules, e.g. sglang@0.5.4, vllm@0.10.1, or sglang@main for what only the "
+                        "engine's main branch has; comma-separate to name both (default: the newest released rules)")
     p.add_argument("--json", action="store_true")
 
     p = sub.add_parser("economics", help="will speculation pay: tok/s, break-even and required acceptance")
@@ -193,7 +196,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", default=None, help="target config (decides the aux-id rule per engine)")
     p.add_argument("--depth", type=int, default=3, help="chain depth for the launch commands and the speculators config")
     p.add_argument("--include-embedding", action="store_true", default=None,
-                   help="also write the target's embedding (default: speculators format only)")
+                   help="also write the target's embedding (default: speculators format, or a drafter of another "
+                        "width than the target, which engines cannot share it with)")
+    p.add_argument("--engine", default=None, metavar="ENGINE@VERSION",
+                   help="judge the export by this engine release's rules, e.g. sglang@0.5.4 (default: the newest "
+                        "released rules of the engines the format is for)")
+    p.add_argument("--force", action="store_true",
+                   help="write even a checkpoint the engine would refuse or load wrong (a warning names the problem)")
     p.add_argument("--json", action="store_true")
 
     p = sub.add_parser("study", help="the whole port study → report.md / report.html")
