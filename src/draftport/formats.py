@@ -465,9 +465,6 @@ def save_drafter(drafter: Eagle3Drafter, out_dir: str | os.PathLike, format: str
                          "target's; the speculators package needs its verifier weights loaded")
     elif include_embedding and drafter.embedding_source == "unset":
         raise DraftportError("include_embedding asked, but the drafter has no embedding (set_embedding first)")
-    if format == "sglang" and (spec.norm_before_residual or spec.norm_before_fc):
-        notes.append("norm_before_residual / norm_before_fc are speculators options: check that your SGLang "
-                     "release reads them, or export --format vllm")
     if format in ("sglang", "vllm") and spec.num_aux_layers != 3:
         notes.append(f"{spec.num_aux_layers} aux layers: SGLang's and vLLM's Llama EAGLE-3 fc reads exactly 3")
     notes = aux.notes + notes
@@ -557,6 +554,8 @@ def export_main(cfg: ExportConfig) -> int:
     out = Path(cfg.out).absolute()
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise DraftportError("exists and is not an empty directory (choose another --out or remove it)", out)
+    from draftport.engines import EngineRef
+
     refs = export_engines(cfg.format, cfg.engine)
     drafter, report = load_drafter(cfg.drafter)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -573,6 +572,9 @@ def export_main(cfg: ExportConfig) -> int:
             who = p.get("engine") or "the checkpoint"
             raise DraftportError(f"not written: {who} would refuse or mis-load this export: {p['message']} "
                                  f"[{p['code']}]{more}; pass --force to write it anyway", cfg.drafter)
+        # the vLLM layout also loads in SGLang when it has one decoder layer (midlayer. + eagle_config
+        # ids): its SGLang launch line is printed only when SGLang's rules find nothing wrong with it
+        also_sglang = cfg.format == "vllm" and not export_findings(str(tmp), (EngineRef("sglang"),), result.aux.target)
         for p in problems:
             result.notes.append(f"written with --force although {p.get('engine') or 'the checkpoint'} would refuse or "
                                 f"mis-load it: {p['message']} [{p['code']}]")
@@ -583,6 +585,10 @@ def export_main(cfg: ExportConfig) -> int:
         raise
     aux = result.aux
     commands = launch_commands(str(out), cfg.format, aux.target_path, cfg.depth)
+    if cfg.format == "vllm" and not also_sglang:
+        commands.pop("sglang", None)
+        result.notes.append("no SGLang launch line: SGLang would refuse or mis-load this layout "
+                            "(`draftport check --engine sglang` says why)")
     payload = {
         "out": str(out), "format": cfg.format, "files": result.files, "num_tensors": result.num_tensors,
         "embedding_included": result.embedding_included,
