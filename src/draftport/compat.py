@@ -11,6 +11,8 @@ layer i when i is in their capture list):
 - vLLM reads only a top-level `eagle_aux_hidden_state_layer_ids`
   (eagle3_utils.get_eagle3_aux_layers_from_config) and uses the ids as they are; without it,
   the model's default (2, L//2, L-3).
+What each engine (and version) can serve at all — targets, tensors, flags, the embedding, the
+version of the DeepSeek rule — is engines.py's; this module turns it into findings and verdicts.
 """
 
 from __future__ import annotations
