@@ -275,7 +275,8 @@ def target_findings(target: TargetSpec, engines=ENGINES, about: str = "drafter")
     for ref in _refs(engines):
         ok, why = target_support(ref, target.architecture, target.model_type, target.family)
         if ok is False:
-            out.append(finding("error", "target_unsupported", f"{ref.label}: {why}", engine=ref.engine, about=about))
+            label = f"{ref.label}: " if ref.version is not None else ""  # a named release is worth repeating
+            out.append(finding("error", "target_unsupported", f"{label}{why}", engine=ref.engine, about=about))
         elif ok is None:
             out.append(finding("warning", "target_unknown", why, engine=ref.engine, about=about))
     return out
