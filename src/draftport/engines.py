@@ -85,14 +85,14 @@ def parse_engines(text: str, flag: str = "--engine") -> tuple[EngineRef, ...]:
 
 # ---------------------------------------------------------------------------------------------
 # which targets take an EAGLE-3 drafter
-# SG_LLAMA: the target classes that define set_eagle3_layers_to_capture, which SGLang's model
-# runner calls on every EAGLE-3 launch (AttributeError otherwise). SGLang picks the class by
-# architectures[0].
+# SG_LLAMA: the target classes seen to define set_eagle3_layers_to_capture, which SGLang's model
+# runner calls on every EAGLE-3 launch (AttributeError otherwise), in llama.py (Mistral subclasses
+# Llama there), mllama4.py, qwen2.py, qwen3.py, qwen3_moe.py, qwen3_vl.py, deepseek_v2.py,
+# gpt_oss.py, minimax_m2.py, glm4_moe.py. SGLang picks the class by architectures[0].
 SGLANG_TARGET_ARCHS = (
     "LlamaForCausalLM", "MistralForCausalLM", "Llama4ForConditionalGeneration",
-    "Qwen2ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
-    "Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration",
-    "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "KimiK25ForConditionalGeneration",
+    "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3VLForConditionalGeneration",
+    "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
     "GptOssForCausalLM", "MiniMaxM2ForCausalLM", "Glm4MoeForCausalLM",
 )
 # SG_GEMMA3 @ 8dac1b72: no set_eagle3_layers_to_capture on any Gemma class.
@@ -124,8 +124,10 @@ def target_support(ref: EngineRef, architecture: str, model_type: str, family: s
             if architecture in SGLANG_MAIN_ONLY_ARCHS else ""
         return False, (f"SGLang's {architecture} has no set_eagle3_layers_to_capture, which every EAGLE-3 launch "
                        f"calls{hint}")
-    if architecture in SGLANG_TARGET_ARCHS or family in ("llama", "qwen", "deepseek"):
+    if architecture in SGLANG_TARGET_ARCHS:
         return True, f"{architecture} defines set_eagle3_layers_to_capture"
+    if family in ("llama", "qwen", "deepseek"):  # e.g. a Kimi wrapper around the DeepSeek-V3 language model
+        return True, f"{architecture} is of the {family} family, whose SGLang classes define set_eagle3_layers_to_capture"
     return None, f"draftport does not know whether {name}'s {architecture or model_type} class captures EAGLE-3 states"
 
 
