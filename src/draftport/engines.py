@@ -13,9 +13,12 @@ each file that was read; "@ <commit>" is that snapshot's commit):
               PR #24709, 2026-05; no release draftport can pin carries it, hence `sglang@main` only)
   SG_WORKER   sglang  python/sglang/srt/speculative/eagle_worker.py: EAGLE-3 takes the target's
               embedding (set_embed), never its lm_head, unless the drafter has no lm_head
-  VL_SPEC     vllm    vllm/config/speculative.py @ 002e77c1 and its older copies: the EAGLE-3 target
+  VL_SPEC     vllm    vllm/config/speculative.py, SpeculativeConfig._verify_args: the EAGLE-3 target
               list (`eagle3_target_supported`, later `aux_hidden_states_supported`), matched as a
-              substring of the target's text-config model_type
+              substring of the target's text-config model_type; it grew from ["llama", "qwen"] to
+              the list below (its newest stored form). The newest snapshot read (@ 002e77c1) no
+              longer checks a list in that file; until the check that replaced it is read, the
+              last list is the rule
   VL_EAGLE3   vllm    vllm/model_executor/models/llama_eagle3.py @ 00bd1493 (Eagle3LlamaForCausalLM)
   VL_SPECCFG  vllm    vllm/transformers_utils/configs/speculators/algos.py @ cfb173ab (update_eagle3)
   SP_CONFIG   speculators src/speculators/models/eagle3/config.py @ c05b95b3 (2026-08-20)
