@@ -388,7 +388,17 @@ def build_config(spec: DrafterSpec, format: str, aux: AuxPlan, dtype: str, num_s
         verifier_arch = [aux.target.architecture] if aux.target else \
             ([spec.target_architecture] if spec.target_architecture else [])
         path = aux.target_path
-        local = os.path.abspath(path) if path and os.path.isdir(path) else None  # never a hub id
+        # speculators (and vLLM through it) load the verifier named here; a null becomes a model
+        # called "None" fetched from the hub. A local target directory is written as an absolute
+        # path; a name the source config itself declared is kept; nothing else is invented.
+        if path and os.path.isdir(path):
+            local = os.path.abspath(path)
+        elif spec.declared_target:
+            local = spec.declared_target
+        else:
+            why = (f"the target {path} is not a model directory" if path else "no target is known")
+            raise DraftportError(f"--format speculators names its verifier (speculators_config.verifier.name_or_path) "
+                                 f"and {why}: pass --target <the target's model directory>", spec.source)
         cfg = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
                "transformer_layer_config": _llama_fields(spec, spec.num_layers),
                "draft_vocab_size": spec.draft_vocab_size, "target_hidden_size": spec.target_hidden_size,
@@ -445,19 +455,18 @@ def save_drafter(drafter: Eagle3Drafter, out_dir: str | os.PathLike, format: str
                              "load too; write into an empty directory", out)
     notes: list[str] = []
     has_real_embedding = drafter.embedding_source in ("target", "checkpoint")
+    aux = plan_aux_ids(spec, target, layers)
     if include_embedding is None:
-        include_embedding = format == "speculators" and has_real_embedding
+        # a drafter of another width than the states it reads (the target's) cannot share the
+        # target's embedding in either engine (engines.embedding_problem): it travels with the drafter
+        include_embedding = (format == "speculators" or spec.hidden_size != spec.target_hidden_size) and has_real_embedding
         if format == "speculators" and not has_real_embedding:
             notes.append("embed_tokens not included (the drafter holds no target embedding): vLLM takes the "
                          "target's; the speculators package needs its verifier weights loaded")
     elif include_embedding and drafter.embedding_source == "unset":
         raise DraftportError("include_embedding asked, but the drafter has no embedding (set_embedding first)")
-    if format == "sglang" and (spec.norm_before_residual or spec.norm_before_fc):
-        notes.append("norm_before_residual / norm_before_fc are speculators options: check that your SGLang "
-                     "release reads them, or export --format vllm")
     if format in ("sglang", "vllm") and spec.num_aux_layers != 3:
         notes.append(f"{spec.num_aux_layers} aux layers: SGLang's and vLLM's Llama EAGLE-3 fc reads exactly 3")
-    aux = plan_aux_ids(spec, target, layers)
     notes = aux.notes + notes
     dtype = _TORCH_TO_CONFIG.get(drafter.fc.weight.dtype, "float32")
     cfg = build_config(spec, format, aux, dtype, num_speculative_tokens)
@@ -489,6 +498,37 @@ class ExportConfig:
     json: bool = False                    # one JSON object on stdout
     depth: int = 3                        # chain depth for the launch commands and the speculators config
     include_embedding: bool | None = None  # None: the format decides (see save_drafter)
+    engine: str | None = None             # engine[@version] whose rules judge the export (default: the format's
+    #                                       engines at their newest rules, engines.FORMAT_ENGINES)
+    force: bool = False                   # write even what the engine would refuse or mis-load (with a warning)
+
+
+def export_engines(format: str, engine: str | None) -> tuple:
+    """The EngineRefs an export is judged by: the engines `format` is for, at the versions --engine names."""
+    from draftport.engines import FORMAT_ENGINES, EngineRef, parse_engines
+
+    named = {r.engine: r for r in parse_engines(engine)} if engine else {}
+    stray = sorted(set(named) - set(FORMAT_ENGINES[format]))
+    if stray:
+        raise DraftportError(f"--engine {engine}: --format {format} is for {', '.join(FORMAT_ENGINES[format])}, "
+                             f"not {', '.join(stray)}")
+    return tuple(named.get(e, EngineRef(e)) for e in FORMAT_ENGINES[format])
+
+
+def export_findings(directory: str, refs, target: TargetSpec | None) -> list[dict]:
+    """What `check` says of the written directory for these engines: export and check share one judge."""
+    from draftport.compat import check_drafter, embedding_findings, engine_support, target_findings
+    from draftport.inventory import read_inventory
+    from draftport.spec import load_drafter_spec
+
+    spec, inv = load_drafter_spec(directory), read_inventory(directory)
+    out = [f for f in check_drafter(spec, inv) if f["severity"] == "error"]
+    for ref in refs:
+        out += engine_support(spec, inv, ref.engine, version=ref.version)
+    if target is not None:
+        out += target_findings(target, refs)
+    out += embedding_findings(spec, inv, spec.target_hidden_size, refs)  # fc's input width is the target's
+    return [f for f in out if f["severity"] == "error"]
 
 
 def launch_commands(out: str, format: str, target_path: str | None, k: int) -> dict[str, str]:
@@ -514,6 +554,9 @@ def export_main(cfg: ExportConfig) -> int:
     out = Path(cfg.out).absolute()
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise DraftportError("exists and is not an empty directory (choose another --out or remove it)", out)
+    from draftport.engines import EngineRef
+
+    refs = export_engines(cfg.format, cfg.engine)
     drafter, report = load_drafter(cfg.drafter)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".tmp-{out.name}-{os.getpid()}"
@@ -522,12 +565,30 @@ def export_main(cfg: ExportConfig) -> int:
     try:
         result = save_drafter(drafter, tmp, cfg.format, target=cfg.target, include_embedding=cfg.include_embedding,
                               num_speculative_tokens=cfg.depth)
+        problems = export_findings(str(tmp), refs, result.aux.target)
+        if problems and not cfg.force:
+            p = problems[0]
+            more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+            who = p.get("engine") or "the checkpoint"
+            raise DraftportError(f"not written: {who} would refuse or mis-load this export: {p['message']} "
+                                 f"[{p['code']}]{more}; pass --force to write it anyway", cfg.drafter)
+        # the vLLM layout also loads in SGLang when it has one decoder layer (midlayer. + eagle_config
+        # ids): its SGLang launch line is printed only when SGLang's rules find nothing wrong with it
+        also_sglang = cfg.format == "vllm" and not export_findings(str(tmp), (EngineRef("sglang"),), result.aux.target)
+        for p in problems:
+            result.notes.append(f"written with --force although {p.get('engine') or 'the checkpoint'} would refuse or "
+                                f"mis-load it: {p['message']} [{p['code']}]")
+            print(f"draftport: warning: --force: {p.get('engine') or ''} {p['code']}: {p['message']}", file=sys.stderr)
         atomic_rename_dir(str(tmp), str(out))     # the commit point: all files or none
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     aux = result.aux
     commands = launch_commands(str(out), cfg.format, aux.target_path, cfg.depth)
+    if cfg.format == "vllm" and not also_sglang:
+        commands.pop("sglang", None)
+        result.notes.append("no SGLang launch line: SGLang would refuse or mis-load this layout "
+                            "(`draftport check --engine sglang` says why)")
     payload = {
         "out": str(out), "format": cfg.format, "files": result.files, "num_tensors": result.num_tensors,
         "embedding_included": result.embedding_included,

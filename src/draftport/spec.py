@@ -13,6 +13,7 @@ import struct
 from dataclasses import dataclass, field
 from typing import Any
 
+from draftport.engines import validate_aux_ids
 from draftport.errors import bad_input
 from draftport.safeio import read_json
 
@@ -187,7 +188,8 @@ def _ids(v: Any, key: str, source: str) -> tuple[int, ...] | None:
         return None
     if not isinstance(v, list) or not v or not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
         raise bad_input(source, f"'{key}' must be a non-empty list of integers, got {v!r}"[:200])
-    return tuple(v)
+    # duplicates and unsorted ids are refused where they enter (engines.validate_aux_ids says why)
+    return validate_aux_ids(v, source, f"'{key}'")
 
 
 def _obj(d: dict, key: str, source: str) -> dict | None:
