@@ -132,6 +132,7 @@ def make_chat_target(args) -> dict:
     gen = model.generation_config
     eos = gen.eos_token_id if isinstance(gen.eos_token_id, list) else [gen.eos_token_id]
     gen.eos_token_id = [int(i) for i in eos if i is not None] + ([eot] if eot not in eos else [])
+    gen._from_model_config = False  # a deliberate config now: HF must not rebuild it from config.json (eos 1 alone)
     sha = save_target(model, tok, args.out)
     record = {
         "recipe": {"target_a": args.target_a, "data": args.data, "skip": args.skip, "num_convs": len(convs),

@@ -34,6 +34,7 @@ def is_code(conv) -> bool:
 
 def pick_conversations(data: str, skip: int, num: int):
     from draftport.data import iter_conversations
+    from draftport.errors import DraftportError
 
     out = []
     for i, conv in enumerate(iter_conversations(data)):
@@ -42,7 +43,7 @@ def pick_conversations(data: str, skip: int, num: int):
             if len(out) >= num:
                 break
     if not out:
-        sys.exit(f"make_target_b: {data}: no code conversations at or after conversation {skip}")
+        raise DraftportError(f"no code conversations at or after conversation {skip}", data)
     return out
 
 
@@ -61,9 +62,20 @@ def main(argv=None) -> int:
     p.add_argument("--device", default=None, choices=["cpu", "cuda"])
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    from draftport.errors import DraftportError
 
+    try:
+        make_target_b(args)
+    except DraftportError as exc:  # bad input: one line naming the file, exit 2
+        print(f"make_target_b: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def make_target_b(args) -> None:
     import torch
 
+    from draftport.errors import DraftportError
     from draftport.safeio import atomic_write_json
     from draftport.target import load_target
 
@@ -74,7 +86,7 @@ def main(argv=None) -> int:
     convs = pick_conversations(args.data, args.skip, args.num_convs)
     ex = tokenize_examples(tok, convs, args.chat_template, args.max_len)
     if not ex.pairs:
-        sys.exit(f"make_target_b: {args.data}: no code conversation has an assistant token within {args.max_len} tokens")
+        raise DraftportError(f"no code conversation has an assistant token within {args.max_len} tokens", args.data)
     print(f"make_target_b: {len(ex.pairs)} code conversations (from line {args.skip} on), "
           f"{ex.num_tokens:,} tokens, sha256 {ex.sha256[:12]}", file=sys.stderr)
     cfg = FinetuneConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed, device=device,
@@ -91,7 +103,6 @@ def main(argv=None) -> int:
         "seconds": time.perf_counter() - t0, "weights_sha256": sha})
     print(f"make_target_b: loss {loss['loss_first_mean']:.3f} → {loss['loss_last_mean']:.3f}; target B written to "
           f"{args.out} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
-    return 0
 
 
 if __name__ == "__main__":

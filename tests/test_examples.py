@@ -158,3 +158,77 @@ def test_make_target_b_runs_on_the_shared_loop(examples_path, tmp_path, convs_fi
     rec = json.loads((out / "make_target_b.json").read_text())
     assert rec["num_convs"] == 1 and rec["steps"] == 2  # the one code conversation of CONVS
     assert (out / "model.safetensors").is_file() and rec["loss_first"] > 0
+    no_code = tmp_path / "no-code.jsonl"
+    no_code.write_text("".join(json.dumps(c) + "\n" for c in CONVS[:3]))
+    assert main(["--target-a", str(a), "--data", str(no_code), "--out", str(tmp_path / "b2"), "--skip", "0"]) == 2
+
+
+def dry_run(tmp_path, stages: str, **env) -> list[str]:
+    """The commands examples/gpu_floor.sh would run for `stages` (DRY_RUN prints them, runs nothing)."""
+    import os
+    import subprocess
+
+    full = {**os.environ, "DRY_RUN": "1", "OUT": str(tmp_path / "floor"), "STAGES": stages, **env}
+    res = subprocess.run(["bash", str(EXAMPLES / "gpu_floor.sh")], env=full, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    return [line[2:] for line in res.stdout.splitlines() if line.startswith("+ ")]
+
+
+def test_gpu_floor_dry_run_uses_each_targets_template(tmp_path):
+    cmds = dry_run(tmp_path, "all", DRAFTPORT_GGUF="/m/gemma.gguf")
+    chat = str(tmp_path / "floor" / "chat-target")
+    assert len(cmds) == 1 + 1 + 2 + 2 + 4 + 1  # data, chat, 2 captures, 2 trains, 2 targets × 2 depths, table
+    assert "make_chat_target.py --target-a /m/gemma.gguf" in cmds[1] and "--steps 700 --batch-size 16" in cmds[1]
+    for verb in ("capture", "eval"):
+        base = [c for c in cmds if f"draftport {verb} --target /m/gemma.gguf " in c]
+        on_chat = [c for c in cmds if f"draftport {verb} --target {chat} " in c]
+        assert base and on_chat and all("--chat-template plain" in c for c in base)
+        assert all("--chat-template gemma" in c for c in on_chat)
+    evals = [c for c in cmds if "draftport eval" in c]
+    assert sorted(c.split("--depth ")[1].split()[0] for c in evals) == ["1", "1", "3", "3"]
+    assert all("--hybrid --ngram-max 3 --ngram-min 1 " in c and "--max-samples 10 --max-new-tokens 200" in c
+               for c in evals)
+    assert not any("--ngram-min-match" in c for c in evals)
+
+
+def test_gpu_floor_stage_selection(tmp_path):
+    cmds = dry_run(tmp_path, "chat,capture")
+    assert len(cmds) == 3 and "make_chat_target.py" in cmds[0] and all("draftport capture" in c for c in cmds[1:])
+    evals = dry_run(tmp_path, "eval-chat", HYBRID="0", DEPTHS="3", NGRAM_MIN_MATCH="2")
+    assert len(evals) == 1 and "--hybrid" not in evals[0] and "--depth 3" in evals[0]
+    assert "--ngram-min-match 2 " in dry_run(tmp_path, "eval-base", DEPTHS="1", NGRAM_MIN_MATCH="2")[0]
+    (tmp_path / "floor" / "eval-base-d1").mkdir(parents=True)
+    (tmp_path / "floor" / "eval-base-d1" / "summary.json").write_text("{}")
+    assert len(dry_run(tmp_path, "eval-base")) == 1  # the finished depth is skipped: a rerun resumes
+    import subprocess
+
+    bad = subprocess.run(["bash", str(EXAMPLES / "gpu_floor.sh"), "trian"], capture_output=True, text=True,
+                         env={"PATH": "/usr/bin:/bin", "DRY_RUN": "1", "OUT": str(tmp_path / "x")})
+    assert bad.returncode == 2 and "unknown stage 'trian'" in bad.stderr
+
+
+def test_floor_table(examples_path, tmp_path, capsys):
+    from floor_table import main
+
+    def put(name, obj):
+        (tmp_path / name).mkdir(parents=True, exist_ok=True)
+        (tmp_path / name / "summary.json").write_text(json.dumps(obj))
+
+    put("eval-chat-d3", {"accept_len": 1.5, "tok_s": 600.0, "baseline_tok_s": 500.0, "speedup": 1.2,
+                         "per_position_accept": [0.3, 0.1, 0.05],
+                         "floor": {"accept_len": 1.35, "tok_s": 550.0, "per_position_accept": [0.2, 0.1, 0.05]},
+                         "hybrid": {"accept_len": 1.7, "tok_s": 650.0, "speedup": 1.3}})
+    put("eval-base-d1", {"accept_len": 1.2, "tok_s": 520.0, "baseline_tok_s": 500.0, "speedup": 1.04})
+    put("capture-chat", {"num_samples": 1970, "num_tokens": 400000})
+    put("train-chat", {"steps": 1500, "val_accept_len": 2.0})
+    (tmp_path / "chat-target").mkdir()
+    (tmp_path / "chat-target" / "make_chat_target.json").write_text(
+        json.dumps({"loss_first": 1.83, "loss_last_mean": 1.25, "loss_window": 50}))
+    assert main([str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[2].startswith("| base | 1 | 500.0 | 1.200 | – | 520.0 (1.04×) | – | – | – | – |")
+    assert lines[3] == ("| chat | 3 | 500.0 | 1.500 | 0.30/0.10/0.05 | 600.0 (1.20×) | 1.350 | 0.20/0.10/0.05 | "
+                        "550.0 (1.10×) | 1.700 | – | 650.0 (1.30×) |")  # the floor's speed-up from the run's baseline
+    assert "| chat | 1,970 | 400,000 | 1,500 | 2.000 | 1.83 → 1.25 (N = 50) |" in lines
+    assert main([str(tmp_path / "eval-base-d1")]) == 2  # a folder without runs: one line, exit 2
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
