@@ -9,15 +9,17 @@
 # Stages, in order (each skipped when its output exists, so a rerun resumes; capture and train also resume
 # inside a stage cut off by a call's time limit):
 #   data          $OUT/data/{prompts,chat}.jsonl from the ShareGPT package (skipped when DRAFTPORT_PROMPTS and
-#                 DRAFTPORT_CHAT_DATA are given; runs on any machine with the package, ~1 min of CPU)
-#   chat          the chat target, $OUT/chat-target                            (H200: ~100 s training + loading)
+#                 DRAFTPORT_CHAT_DATA are given; runs in seconds on any machine with the package: chat.jsonl is
+#                 32 MB, 9 MB gzipped, prompts.jsonl 0.5 MB — carry them where the package is missing)
+#   chat          the chat target, $OUT/chat-target         (H200: ~100 s training, plus loading, tokenizing 11 k
+#                 conversations — 57 s on a busy 2-core CPU — and the GGUF's one-time conversion, ~1 min)
 #   capture-base  capture-chat   regenerate N_PROMPTS answers, capture          (H200: ~110 s each at 2,000)
 #   train-base    train-chat     TRAIN_STEPS × 16 on the store                  (H200: ~250 s each at 1,500)
 #   eval-base     eval-chat      MT-bench, 10 prompts × 200 tokens, depths 1 3  (H200: ~1 min per depth)
 #   table         $OUT/floor_table.md
 # Pick stages with STAGES (or the first argument): names or groups (capture, train, eval), comma-separated;
 # default all. Sized for three device calls of ≤ 10 min (≈ 20 min of H200 time in all):
-#   STAGES=data,chat,capture bash examples/gpu_floor.sh   # ~6 min
+#   STAGES=data,chat,capture bash examples/gpu_floor.sh   # ~7 min
 #   STAGES=train             bash examples/gpu_floor.sh   # ~8.5 min (or train-base, train-chat in two calls)
 #   STAGES=eval,table        bash examples/gpu_floor.sh   # ~4 min
 # The H200 times are estimates from BENCHMARKS.md's runs (regeneration ~3.4 k tok/s through HF generate at a
@@ -34,7 +36,10 @@
 #   EVAL_PROMPTS=mt-bench EVAL_SAMPLES=10 EVAL_NEW_TOKENS=200 DEPTHS="1 3" DEVICE=cuda
 # Drafting flags: HYBRID=1 adds `--hybrid --ngram-max NGRAM_MAX --ngram-min NGRAM_MIN` (3, 1) and, when set,
 #   `--ngram-min-match NGRAM_MIN_MATCH` (else eval's default); HYBRID=0 evaluates the drafter alone.
-# DRY_RUN=1 prints the commands of the selected stages instead of running them.
+# DRY_RUN=1 prints the commands of the selected stages instead of running them. A whole CPU run at toy sizes
+# (3 min on 2 cores; DRAFTPORT_GGUF a tiny random Gemma-3 directory whose tokenizer has Gemma's turn markers):
+#   DEVICE=cpu HYBRID=0 N_PROMPTS=8 REGEN_BATCH=8 MAX_LEN=96 TRAIN_STEPS=3 TRAIN_BATCH=2 SAVE_EVERY=3 CHAT_STEPS=3 \
+#   CHAT_BATCH=2 CHAT_CONVS=4 EVAL_SAMPLES=1 EVAL_NEW_TOKENS=12 DRAFTPORT_GGUF=… DRAFTPORT_PROMPTS=… DRAFTPORT_CHAT_DATA=…
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-./gpu-floor}
