@@ -58,6 +58,10 @@ def main(argv=None) -> int:
                 code.append({"id": conv.id, "messages": msgs})
         if len(code) >= args.code and len(chat) >= args.chat:
             break
+    shared = {r["id"] for r in prompts} & {r["id"] for r in chat}
+    if shared:  # the chat target would then be fine-tuned on prompts whose answers it later regenerates
+        print(f"make_study_data: {len(shared)} chat conversations are also prompts; raise --chat-skip past the "
+              "prompts' last conversation", file=sys.stderr)
     os.makedirs(args.out_dir, exist_ok=True)
     files = [("prompts.jsonl", prompts), ("code.jsonl", code)] + ([("chat.jsonl", chat)] if args.chat else [])
     for name, rows in files:
