@@ -129,7 +129,7 @@ def trained(tmp_path_factory):
 
 
 def decode_prompts(n: int = 16):
-    g = torch.Generator().manual_seed(12345)  # fresh segments: none of the training draws
+    g = torch.Generator().manual_seed(12345)  # a seed of their own: segments the drafter was not trained on
     return [segment(g) for _ in range(n)]
 
 
@@ -173,6 +173,7 @@ def test_trained_drafter_copies_at_depth_3(trained):
     per_position = [float(np.mean([a - 1 > j for a in cycles])) for j in range(3)]
     tau = float(np.mean(cycles))
     assert min(per_position) >= 0.95, (per_position, tau, summary["val_cond_acc"])
+    assert summary["initial_val"]["val_accept_len"] < 1.2   # learned: the fresh drafter does not copy
     off = offline_accept_len(drafter, samples, depth=3, max_new_tokens=N)
     assert off["cycles"] == len(cycles) and off["accept_len"] == pytest.approx(tau, abs=1e-9)
     assert off["per_position"] == pytest.approx(per_position, abs=1e-9)
