@@ -220,3 +220,43 @@ def test_sampling_keeps_the_target_distribution(mode):
     assert sources == ({"ngram", "drafter"} if mode == "hybrid" else {"ngram", "none"})
     for counts, expected in ((c1, exp1), (c2, exp2)):
         assert chisquare(counts, expected / expected.sum() * trials).pvalue > 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_lookup_cuda_graphs_equal_eager(dtype):
+    """Prompt lookup (both no-match modes) and the hybrid under CUDA graphs == eager token for token,
+    greedy and sampled; replays make no host sync besides the cycle's one copy; fp32 greedy is lossless."""
+    from test_engine import _forbid_syncs_inside_cycles
+
+    t = tiny_target("gemma3", device="cuda", dtype=dtype, vocab_size=V_LOOP)
+    d = random_drafter(t, draft_vocab=8).to(device="cuda", dtype=t.dtype)
+    prompt = _prompt(1).cuda()
+    ref = _reference(t, prompt, NEW)
+    for drafter, lk in ((None, PromptLookup()), (d, PromptLookup(min_match=2))):
+        for cfg in (EngineConfig(depth=3, max_len=96), EngineConfig(depth=3, max_len=96, ngram_no_match="pad"),
+                    EngineConfig(depth=2, temperature=0.8, top_p=0.9, max_len=96)):
+            runs = {}
+            for graphs in (False, True):
+                eng = SpecEngine(t, drafter, EngineConfig(**{**cfg.__dict__, "use_cuda_graphs": graphs,
+                                                             "sdpa": "efficient"}), lookup=lk)
+                first = eng.generate(prompt, NEW, seed=3)
+                if graphs:
+                    assert any(key[0] == "lookup" for key in eng._graphs)
+                    _forbid_syncs_inside_cycles(eng)
+                    eng._lookup_cycle = _strict(eng._lookup_cycle)
+                runs[graphs] = (first, eng.generate(prompt, NEW, seed=3))
+            for e, g in zip(runs[False], runs[True]):
+                assert e.token_ids == g.token_ids and e.accept_lens == g.accept_lens and e.sources == g.sources
+            if dtype == "fp32" and cfg.temperature == 0:
+                assert runs[True][1].token_ids == ref
+
+
+def _strict(cycle):
+    def run(*args):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return cycle(*args)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return run

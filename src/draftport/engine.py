@@ -758,7 +758,8 @@ class SpecEngine:
             if greedy:
                 a, nxt = sampling.greedy_accept(d[None], logits[None])
             else:
-                q = torch.stack(qs) if qs else torch.nn.functional.one_hot(d, self.vocab_size).float()
+                # the n-gram draft's distribution: one-hot (scatter: F.one_hot checks its range on the host)
+                q = torch.stack(qs) if qs else torch.zeros(k, self.vocab_size, device=dev).scatter_(1, d[:, None], 1.0)
                 probs = sampling.warp_probs(logits, c.temperature, c.top_p)
                 a, nxt = sampling.chain_accept(d[None], q[None], probs[None], self._gen)
             a, nxt = a[0], nxt[0]

@@ -543,11 +543,11 @@ def run_eval(cfg: EvalConfig, *, target=None, drafter=None, console=None) -> dic
     base = SpecEngine(target, None, EngineConfig(temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed,
                                                  max_len=ecfg.max_len, fuse=cfg.fuse, sdpa=cfg.sdpa))
     spec = SpecEngine(target, None, ecfg, lookup=lk) if ngram_only else SpecEngine(target, drafter, ecfg)
-    # the floor: prompt lookup with the drafter's depth, a chain even beside a tree
-    floor = None if ngram_only else SpecEngine(target, None, EngineConfig(
-        depth=k, temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed, max_len=ecfg.max_len, fuse=cfg.fuse,
-        sdpa=cfg.sdpa), lookup=lk)
-    hyb = SpecEngine(target, drafter, ecfg, lookup=hyb_lk) if hyb_lk is not None else None
+    # the floor: prompt lookup with the drafter's depth; it and the hybrid are chains, also beside a tree
+    chain_cfg = EngineConfig(depth=k, temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed, max_len=ecfg.max_len,
+                             fuse=cfg.fuse, sdpa=cfg.sdpa)
+    floor = None if ngram_only else SpecEngine(target, None, chain_cfg, lookup=lk)
+    hyb = SpecEngine(target, drafter, chain_cfg, lookup=hyb_lk) if hyb_lk is not None else None
     fl_fig, hy_fig = RunFigures(k, lk), (RunFigures(k, hyb_lk) if hyb is not None else None)
     greedy = cfg.temperature <= 0
     n_base = N + k - 1                               # past N so the offline walk can score the last cycle

@@ -31,10 +31,16 @@ from draftport.errors import DraftportError
 DEFAULT_NGRAM_MAX = 3
 DEFAULT_NGRAM_MIN = 1
 # Hybrid: the n-gram draft replaces the trained drafter's when its match is at least this long.
-# Measured offline on the real Gemma-3-270M's greedy MT-bench outputs (plain template, 8 prompts ×
-# 128 tokens, depth 3, CPU fp32; benchmarks/ngram_match_tau.py): n-gram τ by match length 1 / 2 / 3 =
-# see PromptLookup.min_match's docstring; 2 is the smallest length whose τ beats the trained drafters'
-# 1.47–1.49 measured on the H200 (issue 20), and 1-token matches do not.
+# Measured with benchmarks/ngram_match_tau.py (CPU, fp32, Gemma-3-270M's tokenizer, depth 3, 2026-12-04),
+# τ of the n-gram draft by the match length m it came from (every position scored):
+#   chat text (--prompts sharegpt --text, 60 conversations' answers, 13,328 positions):
+#       m = 0: 1.00, m = 1: 1.29, m = 2: 1.75, m = 3: 2.48 (floor τ along decoding's cycles 1.28);
+#   the base model's own greedy MT-bench outputs (plain template, 8 prompts × 128 tokens; it loops):
+#       m = 1: 2.00 (14 positions), m = 2: 3.50 (18), m = 3: 3.94 (973) (floor τ 3.73).
+# The best drafters `draftport train` made accept τ 1.47–1.49 at depth 3 (issue 20, H200): a 1-token
+# match (1.29 on chat text) loses to them, a 2-token match (1.75) beats them; so M = 2. This weighs the
+# n-gram τ at m against the drafter's mean τ, not against its τ at those same positions: the hybrid
+# runs at M = 1, 2, 3 on the GPU (bench_decode.py's engine section) decide it for a given drafter.
 DEFAULT_MIN_MATCH = 2
 
 
@@ -75,9 +81,8 @@ class PromptLookup:
     sampling.chain_accept).
 
     min_match (hybrid only): per cycle, the n-gram draft is used when its match is at least this
-    long, else the trained drafter's. Default DEFAULT_MIN_MATCH = 2, from the offline measurement on
-    Gemma-3-270M's greedy outputs in benchmarks/ngram_match_tau.py (τ of the n-gram draft split by the
-    match length it came from; see the report of issue 20 for the figures)."""
+    long, else the trained drafter's (the default DEFAULT_MIN_MATCH = 2 and the measurement behind it
+    are above it)."""
 
     ngram_max: int = DEFAULT_NGRAM_MAX
     ngram_min: int = DEFAULT_NGRAM_MIN
