@@ -231,6 +231,12 @@ def test_eval_reports_the_floor_and_the_hybrid(tiny, tmp_path):
     assert on_disk["floor"] == json.loads(json.dumps(fl)) and on_disk["hybrid"]["cycles"] == hy["cycles"]
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert all(r["floor"]["match"] and r["hybrid"]["match"] for r in rows)
+    # the demo's report section shows the three side by side
+    from draftport.demo import floor_tables
+    from draftport.report import Report, Section, render_markdown
+    md = render_markdown(Report("r", sections=[Section("eval", tables=floor_tables(s))]))
+    assert "| prompt lookup (n 1–3) |" in md and "| hybrid (n-gram when its match ≥ 1) |" in md
+    assert f"{fl['accept_len']:.3g}" in md and floor_tables({"accept_len": 1.0}) == []
     # a tree eval gets a chain floor of the tree's depth; no --hybrid: no hybrid
     t = run(tiny, tmp_path / "tree", topk=2, depth=3, num_draft_tokens=6)
     assert t["floor"]["config"]["depth"] == 3 and t["hybrid"] is None
