@@ -17,6 +17,11 @@ The target is driven through HF's own forward (any decoder-only model target.py 
 (or a {layer type: mask} dict for models with sliding layers), which HF's mask builders pass through
 unchanged. On CUDA the verify pass and the draft steps replay from CUDA graphs (greedy cycles after
 the first replay their whole draft phase as one graph); on CPU they run eagerly.
+
+Prompt lookup (`lookup=ngram.PromptLookup(...)`, issue 20) drafts from the context instead of (or, the
+hybrid, beside) a trained drafter: after each accept one graphed function writes the emitted tokens
+into a context buffer and proposes the next cycle's chain, whose match length returns with the cycle's
+one host copy (_lookup_cycle).
 """
 
 from __future__ import annotations
@@ -137,6 +142,7 @@ class _LookupState:
     match: int                    # the proposal's match length (0: no match)
     match_lens: list[int] = field(default_factory=list)
     sources: list[str] = field(default_factory=list)
+
 
 # ---------------------------------------------------------------------------------------------
 # The target's static cache: HF Cache layers written at the slots the engine picks
