@@ -769,7 +769,8 @@ def run_generate(cfg: GenerateConfig, *, target=None, drafter=None) -> dict:
         raise DraftportError("--prompt is empty")
     N = cfg.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
     ngram_only = cfg.drafter == NGRAM and drafter is None
-    lk = lookup_for(cfg, hybrid=cfg.hybrid) if ngram_only or cfg.hybrid else None
+    lk = lookup_for(cfg, hybrid=cfg.hybrid)                          # checks the flags before any model loads
+    lk = lk if ngram_only or cfg.hybrid else None
     if target is None:
         from draftport.target import load_target
 
