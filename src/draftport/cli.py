@@ -103,6 +103,16 @@ def _add_common(p: argparse.ArgumentParser, *, target=False, data=False, out=Fal
         p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 
 
+def _add_lookup(p: argparse.ArgumentParser) -> None:
+    """Prompt lookup (`--drafter ngram`, eval's floor) and the hybrid, spelled the same on every verb that drafts."""
+    p.add_argument("--ngram-max", type=int, default=3, help="prompt lookup: longest suffix matched (default 3)")
+    p.add_argument("--ngram-min", type=int, default=1, help="prompt lookup: shortest suffix matched (default 1)")
+    p.add_argument("--hybrid", action="store_true",
+                   help="with --drafter DIR: per cycle the prompt-lookup draft when its match is long enough, else the drafter's")
+    p.add_argument("--ngram-min-match", type=int, default=None,
+                   help="--hybrid: shortest match whose n-gram draft is used (default 2)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="draftport",
@@ -170,14 +180,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("eval", help="online τ and tok/s vs no speculation")
     _add_common(p, target=True, out=True, samples=True, device=True, seed=True, template=True, gen=True)
-    p.add_argument("--drafter", required=True)
+    p.add_argument("--drafter", required=True, help="drafter dir, or 'ngram' (prompt lookup, no checkpoint)")
+    _add_lookup(p)
     p.add_argument("--prompts", default="mt-bench", help="mt-bench | humaneval | sharegpt | FILE")
     p.add_argument("--store", default=None, help="capture store for offline τ next to the online one")
     p.add_argument("--no-hf-baseline", action="store_true", help="skip timing HF generate")
 
     p = sub.add_parser("generate", help="speculative generation of one prompt")
     _add_common(p, target=True, device=True, seed=True, template=True, gen=True)
-    p.add_argument("--drafter", default=None, help="omit for plain (no speculation) decoding")
+    p.add_argument("--drafter", default=None,
+                   help="drafter dir, or 'ngram' (prompt lookup, no checkpoint); omit for plain (no speculation) decoding")
+    _add_lookup(p)
     p.add_argument("--prompt", required=True)
 
     p = sub.add_parser("probe", help="transferability before training: hidden-state similarity and plug-in τ")
