@@ -8,10 +8,16 @@ time budget first and is skipped, with a note, when too little is left):
                  roofline of a target step (weight bytes / --hbm-bytes-per-s, default 4.8e12 B/s)
     hf_generate  HF `generate` tok/s: dynamic cache, static cache (HF's own path), and with --hf-compile
                  the forward under torch.compile(mode="reduce-overhead") with a static cache
-    engine       our no-speculation engine tok/s (the baseline speculation must beat)
+    engine       our no-speculation engine tok/s (the baseline speculation must beat); prompt lookup
+                 (`ngram`: a cycle without a match verifies the last token alone; `ngram_pad`: it verifies
+                 k padding drafts, one verify shape) and, with --hybrid, the hybrid at every
+                 --ngram-min-match from --ngram-min to --ngram-max (`hybrid_m1` …): tok/s, τ, and τ by the
+                 source of each cycle's drafts (n-gram / drafter / none) and by match length
     eval_*       `draftport eval` runs (chain and tree, MT-bench and HumanEval): τ, tok/s both ways,
                  predicted vs measured tok/s (economics on isolated step times + offline τ), bf16 greedy
-                 match rate — needs --drafter and a target with a tokenizer
+                 match rate — needs --drafter and a target with a tokenizer; each carries eval's
+                 `floor` (prompt lookup on the same prompts) and, with --hybrid, `hybrid`;
+                 `--drafter ngram` evaluates prompt lookup itself (chain sections only)
     llama8b      (--llama8b) a Llama-3.1-8B-shaped target with random bf16 weights built on the GPU, and a
                  random drafter of its shape: steps, roofline, engine and chain tok/s — timing only
 
@@ -57,7 +63,12 @@ SHAPES = {
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--target", default="gemma-3-270m", help="HF dir, .gguf, gemma-3-270m, or random:<shape>")
-    p.add_argument("--drafter", default=None, help="drafter dir (chain/tree sections need it)")
+    p.add_argument("--drafter", default=None, help="drafter dir (chain/tree sections need it), or 'ngram' (prompt lookup)")
+    p.add_argument("--ngram-max", type=int, default=3, help="prompt lookup: longest suffix matched")
+    p.add_argument("--ngram-min", type=int, default=1, help="prompt lookup: shortest suffix matched")
+    p.add_argument("--hybrid", action="store_true", help="also run the hybrid (needs a drafter dir)")
+    p.add_argument("--ngram-min-match", type=int, default=None, help="the hybrid's threshold in the eval sections "
+                                                                     "(default 2); the engine section sweeps all")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default=None, help="bf16 | fp32 (default bf16 on cuda, fp32 on cpu)")
     p.add_argument("--prompts-n", type=int, default=10, help="prompts per eval run")
@@ -239,6 +250,15 @@ def section_steps(target, drafter, args, hbm: float) -> dict:
                           dtype=spec.dtype, device=dev)
         ext = torch.zeros(args.depth + 1, dtype=torch.long, device=dev)
         out["extend_ms"] = time_call(lambda: spec.drafter_extend(aux, ext, n), dev, args.repeats)
+    # prompt lookup's per-cycle work: the context update + proposal after the accept (one graph on CUDA)
+    from draftport.decode.ngram import PromptLookup
+    ng = SpecEngine(target, None, EngineConfig(depth=args.depth, max_len=base.S), lookup=PromptLookup(args.ngram_max,
+                                                                                                       args.ngram_min))
+    ext = torch.zeros(args.depth + 1, dtype=torch.long, device=dev)
+    zero = torch.zeros((), dtype=torch.long, device=dev)
+    out["lookup_ms"] = time_call(lambda: ng._call("lookup", ng._lookup_update_fn, ext, n, zero), dev, args.repeats)
+    out["lookup_queued_ms"] = time_call(lambda: ng._call("lookup", ng._lookup_update_fn, ext, n, zero), dev,
+                                        args.repeats, inner=8)
     out["cuda_graphs"] = base.use_graphs
     return out
 
@@ -278,17 +298,25 @@ def section_profile(target, drafter, args) -> dict:
 
 
 def engine_rate(engine, prompts, n_new: int, stop_ids=()) -> dict:
-    """Decode tok/s of an engine over prompts (warm-up on the first excluded) and its τ."""
+    """Decode tok/s of an engine over prompts (warm-up on the first excluded) and its τ; with prompt
+    lookup also τ by the source of each cycle's drafts and by match length."""
+    from draftport.decode.evaluate import _split_tau
+
     engine.generate(prompts[0], min(n_new, 16), list(stop_ids))
     tok = secs = 0.0
-    lens = []
+    lens, sources, matches = [], [], []
     for p in prompts:
         r = engine.generate(p, n_new, list(stop_ids))
         tok += len(r.token_ids) - 1
         secs += r.timings.total_s - r.timings.prefill_s
         lens += r.accept_lens
-    return {"tok_s": decode_rate(int(tok), secs), "accept_len": sum(lens) / len(lens) if lens else None,
-            "new_tokens": int(tok) + len(prompts)}
+        sources += r.sources
+        matches += r.match_lens
+    out = {"tok_s": decode_rate(int(tok), secs), "accept_len": sum(lens) / len(lens) if lens else None,
+           "new_tokens": int(tok) + len(prompts)}
+    if sources:
+        out.update(by_source=_split_tau(sources, lens), by_match_len=_split_tau(matches, lens))
+    return out
 
 
 def section_engine(target, drafter, prompts, args, stop_ids=()) -> dict:
@@ -302,6 +330,17 @@ def section_engine(target, drafter, prompts, args, stop_ids=()) -> dict:
                          ("tree", EngineConfig(depth=args.tree_depth, topk=args.tree_topk,
                                                num_draft_tokens=args.tree_tokens, max_len=max_len))):
             out[name] = engine_rate(SpecEngine(target, drafter, ec), prompts, args.max_new_tokens, stop_ids)
+    from draftport.decode.ngram import PromptLookup
+
+    for name, mode in (("ngram", "step"), ("ngram_pad", "pad")):
+        ec = EngineConfig(depth=args.depth, max_len=max_len, ngram_no_match=mode)
+        out[name] = engine_rate(SpecEngine(target, None, ec, lookup=PromptLookup(args.ngram_max, args.ngram_min)),
+                                prompts, args.max_new_tokens, stop_ids)
+    if drafter is not None and args.hybrid:
+        for m in range(args.ngram_min, args.ngram_max + 1):
+            lk = PromptLookup(args.ngram_max, args.ngram_min, min_match=m)
+            out[f"hybrid_m{m}"] = engine_rate(SpecEngine(target, drafter, EngineConfig(depth=args.depth, max_len=max_len),
+                                                         lookup=lk), prompts, args.max_new_tokens, stop_ids)
     return out
 
 
@@ -336,7 +375,7 @@ def section_hf(target, prompts, args, stop_ids=()) -> dict:
 EVAL_KEYS = ("accept_len", "tok_s", "baseline_tok_s", "speedup", "predicted_tok_s", "predicted_rel_err",
              "predicted_tok_s_at_online_tau", "offline_accept_len", "offline_rel_err", "match_rate",
              "exact_match_prompts", "per_position_accept", "draft_ms", "verify_ms", "overhead_ms", "cycle_ms",
-             "isolated_ms", "cycles", "num_prompts")
+             "isolated_ms", "cycles", "num_prompts", "floor", "hybrid")
 
 
 def section_eval(target, drafter, dataset: str, mode: str, args, work: str) -> dict:
@@ -345,7 +384,9 @@ def section_eval(target, drafter, dataset: str, mode: str, args, work: str) -> d
                      max_new_tokens=args.max_new_tokens, depth=args.tree_depth if tree else args.depth,
                      topk=args.tree_topk if tree else 1, num_draft_tokens=args.tree_tokens if tree else None,
                      device=args.device, dtype=args.dtype, out=os.path.join(work, f"eval-{dataset}-{mode}"),
-                     no_hf_baseline=True, timing_repeats=args.repeats)
+                     no_hf_baseline=True, timing_repeats=args.repeats, ngram_max=args.ngram_max,
+                     ngram_min=args.ngram_min, hybrid=args.hybrid and drafter is not None,
+                     ngram_min_match=args.ngram_min_match if args.hybrid and drafter is not None else None)
     s = run_eval(cfg, target=target, drafter=drafter)
     return {k: s.get(k) for k in EVAL_KEYS}
 
@@ -399,10 +440,11 @@ def main(argv=None) -> int:
     else:
         target = budget.run("load_target", load_target, args.target, device=dev, dtype=dtype)
     drafter = None
+    ngram_only = args.drafter == "ngram"
     if target is not None:
-        if args.drafter:
+        if args.drafter and not ngram_only:
             drafter = budget.run("load_drafter", load_drafter_for, args.drafter, target)
-        elif args.target.startswith("random:"):
+        elif args.target.startswith("random:") and not ngram_only:
             drafter = budget.run("load_drafter", build_random_drafter, target, str(dev), dtype)
         stop_ids: list[int] = []
         if target.tokenizer is not None:
@@ -418,10 +460,10 @@ def main(argv=None) -> int:
         if args.profile:
             budget.run("profile", section_profile, target, drafter, args)
         budget.run("engine", section_engine, target, drafter, prompts, args, stop_ids, need_s=30)
-        if drafter is not None and target.tokenizer is not None:
+        if (drafter is not None or ngram_only) and target.tokenizer is not None:
             work = args.work_dir or tempfile.mkdtemp(prefix="bench-decode-")
             for dataset in [d for d in args.datasets.split(",") if d]:
-                for mode in ("chain", "tree"):
+                for mode in ("chain",) if ngram_only else ("chain", "tree"):
                     budget.run(f"eval_{dataset}_{mode}", section_eval, target, drafter, dataset, mode, args, work,
                                need_s=60)
         budget.run("hf_generate", section_hf, target, prompts, args, stop_ids, need_s=60)

@@ -8,6 +8,8 @@ prompts.jsonl: the first --prompts conversations' first user turns (at most --ma
   {"id", "turns": [text]}.
 code.jsonl: the next --code conversations about code (make_target_b.is_code), cut to --max-conv-chars,
   as {"id", "messages"} — disjoint from the prompts, so B is never trained on the study's prompts.
+chat.jsonl (with --chat N): N conversations from conversation --chat-skip on, cut to --max-chat-chars, as
+  {"id", "messages"}: make_chat_target.py's fine-tuning data where the ShareGPT package is not installed.
 """
 
 from __future__ import annotations
@@ -20,23 +22,10 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
-def cut_messages(messages: list[dict], max_chars: int) -> list[dict]:
-    """The conversation's user/assistant turns up to max_chars of text in all."""
-    out, total = [], 0
-    for m in messages:
-        if m["role"] == "system":
-            continue
-        text = m["content"][:max(0, max_chars - total)]
-        if not text:
-            break
-        out.append({"role": m["role"], "content": text})
-        total += len(text)
-    return out
-
-
 def main(argv=None) -> int:
     from draftport.data.conversations import iter_conversations
     from make_target_b import is_code
+    from sft import cut_messages
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--data", default="sharegpt")
@@ -45,9 +34,17 @@ def main(argv=None) -> int:
     p.add_argument("--code", type=int, default=1500)
     p.add_argument("--max-prompt-chars", type=int, default=2000)
     p.add_argument("--max-conv-chars", type=int, default=2400)
+    p.add_argument("--chat", type=int, default=0, help="chat conversations for make_chat_target.py (chat.jsonl)")
+    p.add_argument("--chat-skip", type=int, default=4000,
+                   help="chat.jsonl starts at this conversation (past the prompts: the chat target never sees them)")
+    p.add_argument("--max-chat-chars", type=int, default=3000, help="text per chat conversation (≥ 512 tokens)")
     args = p.parse_args(argv)
-    prompts, code = [], []
-    for conv in iter_conversations(args.data):
+    prompts, code, chat = [], [], []
+    for i, conv in enumerate(iter_conversations(args.data)):
+        if i >= args.chat_skip and len(chat) < args.chat:
+            msgs = cut_messages(conv.messages, args.max_chat_chars)
+            if any(m["role"] == "assistant" for m in msgs):
+                chat.append({"id": conv.id, "messages": msgs})
         users = [m["content"] for m in conv.messages if m["role"] == "user"]
         if not users or not users[0].strip():
             continue
@@ -55,17 +52,24 @@ def main(argv=None) -> int:
             if len(users[0]) <= args.max_prompt_chars:
                 prompts.append({"id": conv.id, "turns": [users[0]]})
             continue
-        if is_code(conv):
+        if len(code) < args.code and is_code(conv):
             msgs = cut_messages(conv.messages, args.max_conv_chars)
             if any(m["role"] == "assistant" for m in msgs):
                 code.append({"id": conv.id, "messages": msgs})
-                if len(code) >= args.code:
-                    break
+        if len(code) >= args.code and len(chat) >= args.chat:
+            break
+    shared = {r["id"] for r in prompts} & {r["id"] for r in chat}
+    if shared:  # the chat target would then be fine-tuned on prompts whose answers it later regenerates
+        print(f"make_study_data: {len(shared)} chat conversations are also prompts; raise --chat-skip past the "
+              "prompts' last conversation", file=sys.stderr)
     os.makedirs(args.out_dir, exist_ok=True)
-    for name, rows in (("prompts.jsonl", prompts), ("code.jsonl", code)):
+    files = [("prompts.jsonl", prompts), ("code.jsonl", code)] + ([("chat.jsonl", chat)] if args.chat else [])
+    for name, rows in files:
         with open(os.path.join(args.out_dir, name), "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
-    print(f"make_study_data: {len(prompts)} prompts, {len(code)} code conversations → {args.out_dir}")
+    print(f"make_study_data: {len(prompts)} prompts, {len(code)} code conversations"
+          + (f", {len(chat)} chat conversations (from conversation {args.chat_skip} on)" if args.chat else "")
+          + f" → {args.out_dir}")
     return 0
 
 

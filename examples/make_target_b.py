@@ -18,12 +18,12 @@ downloaded.
 from __future__ import annotations
 
 import argparse
-import hashlib
-import json
-import math
 import os
 import sys
 import time
+from dataclasses import asdict
+
+from sft import FinetuneConfig, finetune, loss_summary, save_target, tokenize_examples
 
 
 def is_code(conv) -> bool:
@@ -34,6 +34,7 @@ def is_code(conv) -> bool:
 
 def pick_conversations(data: str, skip: int, num: int):
     from draftport.data.conversations import iter_conversations
+    from draftport.errors import DraftportError
 
     out = []
     for i, conv in enumerate(iter_conversations(data)):
@@ -42,35 +43,8 @@ def pick_conversations(data: str, skip: int, num: int):
             if len(out) >= num:
                 break
     if not out:
-        sys.exit(f"make_target_b: {data}: no code conversations at or after conversation {skip}")
+        raise DraftportError(f"no code conversations at or after conversation {skip}", data)
     return out
-
-
-def batches(examples, batch_size: int, seed: int, steps: int):
-    """A fixed, seeded order over the examples, epoch after epoch, `steps` batches in all."""
-    import torch
-
-    gen = torch.Generator().manual_seed(seed)
-    order: list[int] = []
-    for _ in range(steps):
-        if len(order) < batch_size:
-            order += torch.randperm(len(examples), generator=gen).tolist()
-        idx, order = order[:batch_size], order[batch_size:]
-        yield [examples[i] for i in idx]
-
-
-def collate(batch, pad_id: int):
-    import torch
-
-    T = max(len(ids) for ids, _ in batch)
-    ids = torch.full((len(batch), T), pad_id, dtype=torch.long)
-    labels = torch.full((len(batch), T), -100, dtype=torch.long)
-    attn = torch.zeros((len(batch), T), dtype=torch.long)
-    for b, (x, m) in enumerate(batch):
-        ids[b, :len(x)] = x
-        attn[b, :len(x)] = 1
-        labels[b, :len(x)] = torch.where(m, x, torch.full_like(x, -100))  # loss on the assistant tokens only
-    return ids, labels, attn
 
 
 def main(argv=None) -> int:
@@ -88,64 +62,47 @@ def main(argv=None) -> int:
     p.add_argument("--device", default=None, choices=["cpu", "cuda"])
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    from draftport.errors import DraftportError
 
+    try:
+        make_target_b(args)
+    except DraftportError as exc:  # bad input: one line naming the file, exit 2
+        print(f"make_target_b: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def make_target_b(args) -> None:
     import torch
 
-    from draftport.data.chat import tokenize_conversation
+    from draftport.errors import DraftportError
     from draftport.safeio import atomic_write_json
     from draftport.model.target import load_target
 
-    torch.manual_seed(args.seed)
     t0 = time.perf_counter()
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     a = load_target(args.target_a, device=device, dtype="fp32")  # fp32 master weights; bf16 autocast on GPU
     model, tok = a.model, a.tokenizer
     convs = pick_conversations(args.data, args.skip, args.num_convs)
-    examples = []
-    for c in convs:
-        ids, mask = tokenize_conversation(tok, c, chat_template=args.chat_template, max_len=args.max_len)
-        if len(ids) > 1 and bool(mask.any()):
-            examples.append((ids, mask))
-    digest = hashlib.sha256(b"".join(x.numpy().tobytes() for x, _ in examples)).hexdigest()
-    print(f"make_target_b: {len(examples)} code conversations (from line {args.skip} on), "
-          f"{sum(len(x) for x, _ in examples):,} tokens, sha256 {digest[:12]}", file=sys.stderr)
-
-    for prm in model.parameters():
-        prm.requires_grad_(True)
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0, betas=(0.9, 0.95))
-    warmup = max(1, args.steps // 10)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps)))
-    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
-    losses = []
-    for step, batch in enumerate(batches(examples, args.batch_size, args.seed, args.steps)):
-        ids, labels, attn = (t.to(device) for t in collate(batch, pad))
-        with torch.autocast(device_type="cuda", dtype=torch.bfloat16, enabled=device == "cuda"):
-            loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(float(loss.detach()))
-        if step % 50 == 0 or step == args.steps - 1:
-            print(f"make_target_b: step {step + 1}/{args.steps} loss {losses[-1]:.3f}", file=sys.stderr)
-
-    model.eval()
-    os.makedirs(args.out, exist_ok=True)
-    model.save_pretrained(args.out, safe_serialization=True)
-    tok.save_pretrained(args.out)
-    w = max(1, min(20, len(losses) // 2))  # mean of the first and last w steps (disjoint windows)
-    first, last = sum(losses[:w]) / w, sum(losses[-w:]) / w
+    ex = tokenize_examples(tok, convs, args.chat_template, args.max_len)
+    if not ex.pairs:
+        raise DraftportError(f"no code conversation has an assistant token within {args.max_len} tokens", args.data)
+    print(f"make_target_b: {len(ex.pairs)} code conversations (from line {args.skip} on), "
+          f"{ex.num_tokens:,} tokens, sha256 {ex.sha256[:12]}", file=sys.stderr)
+    cfg = FinetuneConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed, device=device,
+                         tag="make_target_b")
+    losses = finetune(model, ex.pairs, tok.pad_token_id if tok.pad_token_id is not None else 0, cfg)
+    sha = save_target(model, tok, args.out)
+    loss = loss_summary(losses, window=20)
     atomic_write_json(os.path.join(args.out, "make_target_b.json"), {
         "target_a": args.target_a, "data": args.data, "skip": args.skip, "num_convs": len(convs),
-        "examples": len(examples), "data_sha256": digest, "steps": args.steps, "batch_size": args.batch_size,
-        "max_len": args.max_len, "lr": args.lr, "seed": args.seed, "device": device,
-        "loss_window": w, "loss_first": first, "loss_last": last, "seconds": time.perf_counter() - t0})
-    print(f"make_target_b: loss {first:.3f} → {last:.3f}; target B written to {args.out} "
-          f"({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
-    return 0
+        "examples": len(ex.pairs), "data_sha256": ex.sha256, "max_len": args.max_len,
+        **{k: v for k, v in asdict(cfg).items() if k not in ("log_every", "tag")},
+        # loss_first / loss_last: the means of the first and last loss_window steps (disjoint windows)
+        "loss_window": loss["loss_window"], "loss_first": loss["loss_first_mean"], "loss_last": loss["loss_last_mean"],
+        "seconds": time.perf_counter() - t0, "weights_sha256": sha})
+    print(f"make_target_b: loss {loss['loss_first_mean']:.3f} → {loss['loss_last_mean']:.3f}; target B written to "
+          f"{args.out} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
 
 
 if __name__ == "__main__":

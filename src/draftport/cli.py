@@ -46,6 +46,18 @@ def _int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
 
 
+def _aux_list(text: str) -> list[int]:
+    """--aux-layers: unique ids in ascending order, the order both engines feed them (check/layers.py)."""
+    from draftport.check.layers import validate_aux_ids
+    from draftport.errors import DraftportError
+
+    ids = _int_list(text)
+    try:
+        return list(validate_aux_ids(ids, None))
+    except DraftportError as exc:
+        raise argparse.ArgumentTypeError(str(exc))
+
+
 def _add_common(p: argparse.ArgumentParser, *, target=False, data=False, out=False, samples=False,
                 device=False, seed=False, json=True, template=False, gen=False) -> None:
     if target:
@@ -82,6 +94,16 @@ def _add_common(p: argparse.ArgumentParser, *, target=False, data=False, out=Fal
         p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 
 
+def _add_lookup(p: argparse.ArgumentParser) -> None:
+    """Prompt lookup (`--drafter ngram`, eval's floor) and the hybrid, spelled the same on every verb that drafts."""
+    p.add_argument("--ngram-max", type=int, default=3, help="prompt lookup: longest suffix matched (default 3)")
+    p.add_argument("--ngram-min", type=int, default=1, help="prompt lookup: shortest suffix matched (default 1)")
+    p.add_argument("--hybrid", action="store_true",
+                   help="with --drafter DIR: per cycle the prompt-lookup draft when its match is long enough, else the drafter's")
+    p.add_argument("--ngram-min-match", type=int, default=None,
+                   help="--hybrid: shortest match whose n-gram draft is used (default 2)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="draftport",
@@ -93,7 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("drafter", help="drafter dir or config.json")
     p.add_argument("other", nargs="?", default=None, help="a second drafter to compare against")
     p.add_argument("--target", default=None, help="target dir, config.json or .gguf")
-    p.add_argument("--engine", default="both", choices=["sglang", "vllm", "both"])
+    p.add_argument("--engine", default="both", metavar="ENGINE[@VERSION]",
+                   help="whose loading and aux-id rules to apply: sglang, vllm or both (default); a version picks "
+                        "that release's rules, e.g. sglang@0.5.4, vllm@0.10.1, or sglang@main for what only the "
+                        "engine's main branch has; comma-separate to name both (default: the newest released rules)")
     p.add_argument("--json", action="store_true")
 
     p = sub.add_parser("economics", help="will speculation pay: tok/s, break-even and required acceptance")
@@ -109,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("capture", help="target hidden states → a sharded store")
     _add_common(p, target=True, data=True, out=True, samples=True, device=True, seed=True, template=True)
-    p.add_argument("--aux-layers", type=_int_list, default=None, help="'input of decoder layer i' ids (default 2,L//2,L-3)")
+    p.add_argument("--aux-layers", type=_aux_list, default=None, help="'input of decoder layer i' ids (default 2,L//2,L-3)")
     p.add_argument("--regenerate", action="store_true", help="replace assistant turns with the target's own responses")
     p.add_argument("--samples-per-prompt", type=int, default=1)
     p.add_argument("--regen-batch-size", type=int, default=None,
@@ -130,7 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-vocab-size", type=int, default=None, help="default min(32000, V)")
     p.add_argument("--lm-head-from-target", action="store_true",
                    help="from scratch: the drafter's lm_head starts as the target's head rows (same hidden size)")
-    p.add_argument("--aux-layers", type=_int_list, default=None)
+    p.add_argument("--aux-layers", type=_aux_list, default=None)
     p.add_argument("--lr", type=float, default=None)
     p.add_argument("--val-every", type=int, default=None)
     p.add_argument("--save-every", type=int, default=None)
@@ -146,14 +171,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("eval", help="online τ and tok/s vs no speculation")
     _add_common(p, target=True, out=True, samples=True, device=True, seed=True, template=True, gen=True)
-    p.add_argument("--drafter", required=True)
+    p.add_argument("--drafter", required=True, help="drafter dir, or 'ngram' (prompt lookup, no checkpoint)")
+    _add_lookup(p)
     p.add_argument("--prompts", default="mt-bench", help="mt-bench | humaneval | sharegpt | FILE")
     p.add_argument("--store", default=None, help="capture store for offline τ next to the online one")
     p.add_argument("--no-hf-baseline", action="store_true", help="skip timing HF generate")
 
     p = sub.add_parser("generate", help="speculative generation of one prompt")
     _add_common(p, target=True, device=True, seed=True, template=True, gen=True)
-    p.add_argument("--drafter", default=None, help="omit for plain (no speculation) decoding")
+    p.add_argument("--drafter", default=None,
+                   help="drafter dir, or 'ngram' (prompt lookup, no checkpoint); omit for plain (no speculation) decoding")
+    _add_lookup(p)
     p.add_argument("--prompt", required=True)
 
     p = sub.add_parser("probe", help="transferability before training: hidden-state similarity and plug-in τ")
@@ -172,7 +200,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", default=None, help="target config (decides the aux-id rule per engine)")
     p.add_argument("--depth", type=int, default=3, help="chain depth for the launch commands and the speculators config")
     p.add_argument("--include-embedding", action="store_true", default=None,
-                   help="also write the target's embedding (default: speculators format only)")
+                   help="also write the target's embedding (default: speculators format, or a drafter of another "
+                        "width than the target, which engines cannot share it with)")
+    p.add_argument("--engine", default=None, metavar="ENGINE@VERSION",
+                   help="judge the export by this engine release's rules, e.g. sglang@0.5.4 (default: the newest "
+                        "released rules of the engines the format is for)")
+    p.add_argument("--force", action="store_true",
+                   help="write even a checkpoint the engine would refuse or load wrong (a warning names the problem)")
     p.add_argument("--json", action="store_true")
 
     p = sub.add_parser("study", help="the whole port study → report.md / report.html")

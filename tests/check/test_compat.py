@@ -87,7 +87,9 @@ def test_missing_target_uses_the_draftport_record_or_asks():
 
 
 @settings(max_examples=200, deadline=None)
-@given(layers=st.lists(st.integers(0, 59), min_size=1, max_size=5), family=st.sampled_from(["llama", "deepseek"]),
+# unique ascending layers: anything else is refused before the mapping (test_aux_ids_* in test_engines.py)
+@given(layers=st.lists(st.integers(0, 59), min_size=1, max_size=5, unique=True).map(sorted),
+       family=st.sampled_from(["llama", "deepseek"]),
        engine=st.sampled_from(["sglang", "vllm"]))
 def test_engine_aux_ids_inverts_capture_layers(layers, family, engine):
     target = _target("DeepseekV3ForCausalLM" if family == "deepseek" else "LlamaForCausalLM",
@@ -135,10 +137,12 @@ def _target_errors(fx, drafter, target, engines=("sglang", "vllm"), inv=None):
     ("drafter-llama3.1-8b-eagle3-original", "target-llama3.1-8b-instruct", ("vllm",), set()),
     ("drafter-llama3.1-8b-eagle3-original", "target-llama3.1-8b-instruct", ("sglang",), {"architecture_unsupported"}),
     ("drafter-kimi-k2-eagle3-aqmedai", "target-deepseek-v3", ("sglang", "vllm"), {"vocab_mismatch"}),
-    ("drafter-qwen3-30b-a3b-eagle3.1-sglang", "target-qwen3-8b", ("sglang",), {"hidden_size_mismatch"}),
+    # SGLang's LlamaForCausalLMEagle3 implements neither fc_norm nor norm_output (issue #18: was not flagged)
+    ("drafter-qwen3-30b-a3b-eagle3.1-sglang", "target-qwen3-8b", ("sglang",), {"hidden_size_mismatch", "flag_ignored"}),
     ("drafter-llama3.1-8b-eagle3-sglang", "target-qwen3-8b", ("sglang",), {"vocab_mismatch"}),
+    # SGLang's Gemma-3 classes have no set_eagle3_layers_to_capture (issue #18: was not flagged)
     ("drafter-qwen3-8b-eagle3-sglang", "target-gemma3-4b-it-multimodal", ("sglang",),
-     {"vocab_mismatch", "hidden_size_mismatch"}),
+     {"vocab_mismatch", "hidden_size_mismatch", "target_unsupported"}),
 ])
 def test_fixture_target_verdicts(fx, drafter, target, engines, errors):
     got, captured = _target_errors(fx, drafter, target, engines)

@@ -195,3 +195,95 @@ def test_eval_on_gemma_is_lossless(gemma_target, tmp_path):
                  target=t, drafter=drafter.eval())
     assert s["match_rate"] == 1.0 and s["config"]["aux_layers"] == list(t.aux_layers)
     assert s["offline_accept_len"] == pytest.approx(s["accept_len"]) and s["cycles"] >= 1
+
+
+# ---------------------------------------------------------------------------------------------
+# prompt lookup: the floor beside every drafter, the hybrid, --drafter ngram (issue 20)
+# ---------------------------------------------------------------------------------------------
+
+FLOOR_KEYS = ("accept_len", "per_position_accept", "accept_hist", "cycles", "tok_s", "speedup", "match_rate",
+              "cycle_ms", "by_match_len", "by_source", "offline_accept_len", "config")
+
+
+def _check_run(r: dict, k: int) -> None:
+    assert r["match_rate"] == 1.0 and r["exact_match_prompts"] == 1.0                # lossless, greedy fp32
+    assert 1.0 <= r["accept_len"] <= k + 1 and len(r["per_position_accept"]) == k
+    assert 1.0 + sum(r["per_position_accept"]) == pytest.approx(r["accept_len"])
+    assert sum(x["cycles"] for x in r["by_source"].values()) == r["cycles"]
+    assert sum(x["cycles"] * x["accept_len"] for x in r["by_match_len"].values()) / r["cycles"] == \
+        pytest.approx(r["accept_len"])
+    assert r["speedup"] > 0 and r["tok_s"] > 0
+
+
+def test_eval_reports_the_floor_and_the_hybrid(tiny, tmp_path):
+    s = run(tiny, tmp_path, depth=3, hybrid=True, ngram_min_match=1)
+    fl, hy = s["floor"], s["hybrid"]
+    for key in FLOOR_KEYS:
+        assert key in fl and key in hy, key
+    _check_run(fl, 3)
+    _check_run(hy, 3)
+    assert fl["same_run"] is False and fl["config"] == {"depth": 3, "ngram_max": 3, "ngram_min": 1, "min_match": None}
+    # the floor's offline τ on the baseline's greedy text is its online τ, exactly
+    assert fl["offline_accept_len"] == pytest.approx(fl["accept_len"], abs=1e-12)
+    assert set(fl["by_source"]) <= {"ngram", "none"} and set(hy["by_source"]) <= {"ngram", "drafter"}
+    assert hy["config"]["min_match"] == 1 and "drafter" in hy["by_source"]
+    on_disk = json.loads((tmp_path / "summary.json").read_text())
+    assert on_disk["floor"] == json.loads(json.dumps(fl)) and on_disk["hybrid"]["cycles"] == hy["cycles"]
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["floor"]["match"] and r["hybrid"]["match"] for r in rows)
+    # the demo's report section shows the three side by side
+    from draftport.study.demo import floor_tables
+    from draftport.study.report import Report, Section, render_markdown
+    md = render_markdown(Report("r", sections=[Section("eval", tables=floor_tables(s))]))
+    assert "| prompt lookup (n 1–3) |" in md and "| hybrid (n-gram when its match ≥ 1) |" in md
+    assert f"{fl['accept_len']:.3g}" in md and floor_tables({"accept_len": 1.0}) == []
+    # a tree eval gets a chain floor of the tree's depth; no --hybrid: no hybrid
+    t = run(tiny, tmp_path / "tree", topk=2, depth=3, num_draft_tokens=6)
+    assert t["floor"]["config"]["depth"] == 3 and t["hybrid"] is None
+    _check_run(t["floor"], 3)
+
+
+def test_eval_with_drafter_ngram(tiny, tmp_path):
+    from draftport.decode.evaluate import EvalConfig, render_eval, render_floor, run_eval
+    from rich.console import Console
+
+    cfg = EvalConfig(target="tiny", drafter="ngram", prompts=tiny["prompts"], out=str(tmp_path), max_new_tokens=N,
+                     depth=2, timing_repeats=2, no_hf_baseline=True)
+    s = run_eval(cfg, target=tiny["target"])
+    assert s["match_rate"] == 1.0 and s["offline_mode"] == "ngram" and s["floor"]["same_run"] is True
+    assert s["offline_accept_len"] == pytest.approx(s["accept_len"], abs=1e-12)
+    assert s["floor"]["accept_len"] == s["accept_len"] and s["hybrid"] is None
+    iso = s["isolated_ms"]
+    assert iso["lookup_ms"] > 0 and iso["draft_ms_per_step"] == 0 and s["predicted_tok_s"] > 0
+    console = Console(record=True, width=200)
+    render_eval(s, console)
+    render_floor(s, console)
+    assert "prompt lookup" in console.export_text()
+
+
+def test_cli_lookup_flags(tiny, tmp_path, capsys):
+    from draftport.cli import build_parser, config_from_args, main
+    from draftport.decode.evaluate import EvalConfig, GenerateConfig
+
+    args = build_parser().parse_args(["eval", "--target", "t", "--drafter", "d", "--hybrid", "--ngram-max", "4",
+                                      "--ngram-min", "2", "--ngram-min-match", "3", "--depth", "5"])
+    cfg = config_from_args(EvalConfig, args)
+    assert (cfg.hybrid, cfg.ngram_max, cfg.ngram_min, cfg.ngram_min_match, cfg.depth) == (True, 4, 2, 3, 5)
+    g = config_from_args(GenerateConfig, build_parser().parse_args(["generate", "--target", "t", "--prompt", "x",
+                                                                    "--drafter", "ngram"]))
+    assert (g.drafter, g.hybrid, g.ngram_max, g.ngram_min, g.ngram_min_match) == ("ngram", False, 3, 1, None)
+    common = ["generate", "--target", tiny["target_dir"], "--prompt", PROMPTS[0], "--max-new-tokens", "16",
+              "--device", "cpu", "--json"]
+    assert main(common + ["--drafter", "ngram", "--ngram-max", "2"]) == 0
+    ng = json.loads(capsys.readouterr().out)
+    assert ng["token_ids"] == greedy(tiny["target"], tiny["ids"][0], 16) and ng["drafter_kind"] == "ngram"
+    assert main(common + ["--drafter", tiny["drafter_dir"], "--hybrid"]) == 0
+    hy = json.loads(capsys.readouterr().out)
+    assert hy["token_ids"] == ng["token_ids"] and hy["drafter_kind"] == "hybrid"
+    for bad, problem in ((["--drafter", "ngram", "--hybrid"], "--hybrid needs a trained drafter"),
+                         (["--drafter", "ngram", "--ngram-min-match", "2"], "only applies with --hybrid"),
+                         (["--drafter", "ngram", "--ngram-min", "3", "--ngram-max", "2"], "--ngram-min"),
+                         (["--drafter", tiny["drafter_dir"], "--hybrid", "--ngram-min-match", "5"], "ngram-min-match")):
+        assert main(common + bad) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and problem in err[0], err

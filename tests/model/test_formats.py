@@ -94,7 +94,8 @@ def test_round_trip_gives_identical_logits(tmp_path, fmt, cfg):
 @pytest.mark.parametrize("fmt", ["sglang", "vllm", "speculators"])
 def test_saved_tensors_are_exactly_the_inventory_check_expects(tmp_path, fmt):
     m = drafter(tiny_config(fc_norm=True))
-    m.save_pretrained(tmp_path, format=fmt, include_embedding=False)
+    # (speculators needs a verifier: issue #18 made a target-less speculators export an error)
+    m.save_pretrained(tmp_path, format=fmt, include_embedding=False, target=LLAMA_TARGET if fmt == "speculators" else None)
     spec = load_drafter_spec(tmp_path)
     real = {n: (t.shape, t.dtype) for n, t in read_inventory(tmp_path).tensors.items()}
     want = {n: (t.shape, t.dtype) for n, t in expected_inventory(spec).items()}
@@ -238,8 +239,10 @@ def test_speculators_config_writes_every_flag_and_no_hub_id(tmp_path):
     verifier = cfg["speculators_config"]["verifier"]
     assert verifier["name_or_path"] == str(LLAMA_TARGET.absolute()) and verifier["architectures"] == ["LlamaForCausalLM"]
     assert "embed_tokens.weight" in read_inventory(tmp_path / "a").tensors   # speculators runs on its own copy
-    m.save_pretrained(tmp_path / "b", format="speculators", target=None)
-    assert json.loads((tmp_path / "b" / "config.json").read_text())["speculators_config"]["verifier"]["name_or_path"] is None
+    # issue #18: a null name_or_path made speculators fetch a verifier called "None"; now refused
+    with pytest.raises(DraftportError, match="pass --target"):
+        m.save_pretrained(tmp_path / "b", format="speculators", target=None)
+    assert not (tmp_path / "b" / "config.json").exists()
 
 
 def test_export_cli_writes_atomically_and_prints_launch_commands(tmp_path):

@@ -85,6 +85,8 @@ def test_demo_end_to_end_on_a_tiny_target(tmp_path):
     assert on_disk["accept_len"] == s["accept_len"] and on_disk["tok_s"] == s["tok_s"]
     md = open(s["report_md"], encoding="utf-8").read()
     assert f"τ = {s['accept_len']:.2f}" in md and f"{s['tok_s']:.1f} tok/s" in md
+    # the drafter beside the training-free floor, measured in the same eval
+    assert "| prompt lookup (n 1–3) |" in md and s["eval"]["floor"]["match_rate"] == 1.0
     for png in ("acceptance.png", "tok_s.png", "tok_s_vs_verify.png"):
         assert f"]({png})" in md and os.path.getsize(tmp_path / "demo" / png) > 1000
 

@@ -113,11 +113,13 @@ def test_study_end_to_end_on_tiny_targets(tmp_path):
         assert r["pays"] == (r["accept_len"] > r["break_even_accept_len"])
         assert r["pays_measured"] == (r["tok_s"] > r["baseline_tok_s"])
         assert r["drafter"] == "plug-in" or r["steps"] == 8
+        assert 1.0 <= r["floor_accept_len"] <= 4.0 and r["floor_tok_s"] > 0    # the floor, same eval
     # the probe ran on the same pair: layer 2 sits below the perturbed layers
     assert s["similarity"]["2"]["cka"] == pytest.approx(1.0, abs=1e-6) and s["similarity"]["5"]["cka"] < 0.999
     assert s["plugin_accept_len"] is not None and s["accept_len_a"] > s["plugin_accept_len"]
     assert json.load(open(tmp_path / "study" / "summary.json"))["rows"] == json.loads(json.dumps(rows))
     md = open(s["report_md"], encoding="utf-8").read()
+    assert "| τ prompt lookup |" in md
     for png in ("similarity.png", "accept_vs_data.png", "per_position.png", "tok_s_vs_verify.png"):
         assert f"]({png})" in md and os.path.getsize(tmp_path / "study" / png) > 1000
     assert "data:image/png;base64," in open(s["report_html"], encoding="utf-8").read()

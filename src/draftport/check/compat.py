@@ -11,6 +11,8 @@ layer i when i is in their capture list):
 - vLLM reads only a top-level `eagle_aux_hidden_state_layer_ids`
   (eagle3_utils.get_eagle3_aux_layers_from_config) and uses the ids as they are; without it,
   the model's default (2, L//2, L-3).
+What each engine (and version) can serve at all — targets, tensors, flags, the embedding, the
+version of the DeepSeek rule — is check/engines.py's; this module turns it into findings and verdicts.
 """
 
 from __future__ import annotations
@@ -19,15 +21,17 @@ import json
 import os
 from dataclasses import dataclass
 
+from draftport.check.engines import (ENGINE_NAMES, ENGINES, EngineRef, aux_count_problem, drafter_problems,
+                               embedding_problem, extra_layer_form, parse_engines, sglang_rule_note, target_support)
+from draftport.check.engines import sglang_adds_one as _sglang_adds_one
 from draftport.errors import DraftportError, bad_input
-from draftport.check.layers import default_aux_layers
+from draftport.check.layers import default_aux_layers, validate_aux_ids
 from draftport.check.inventory import (FROZEN_OR_TRAINING, PICKLE_SUFFIXES, VOCAB_BUFFERS, Inventory, TensorInfo,
                                  canonical_name, expected_inventory, read_d2t, read_inventory)
 from draftport.check.spec import (MLA_ARCHS, SGLANG_ARCHS, DrafterSpec, TargetSpec, load_drafter_spec,
                             load_target_spec, target_family)
 
-ENGINES = ("sglang", "vllm")
-SGLANG_RULE_NOTE = "SGLang 0.5.23+ rule; older SGLang releases added 1 on DeepSeek/Kimi targets too"
+SGLANG_RULE_NOTE = sglang_rule_note(EngineRef("sglang"))
 
 
 def _engine(engine: str) -> str:
@@ -58,14 +62,14 @@ def engine_raw_ids(drafter: DrafterSpec, engine: str) -> tuple[int, ...] | None:
     return drafter.aux_layer_ids if drafter.aux_ids_key in ("top_level", "speculators") else drafter.top_level_aux_ids
 
 
-def sglang_adds_one(family: str | None, raw_ids) -> bool:
-    if family == "deepseek":
-        return bool(raw_ids) and raw_ids[0] == 1
-    return True
+def sglang_adds_one(family: str | None, raw_ids, version: tuple[int, ...] | None = None) -> bool:
+    """Does SGLang (at `version`; None: the newest rules) add 1 to these eagle_config ids? (engines.py)"""
+    return _sglang_adds_one(EngineRef("sglang", version), family, raw_ids)
 
 
-def capture_layers(drafter: DrafterSpec, target: TargetSpec | None, engine: str) -> list[int]:
-    """THE mapping: raw aux ids in the drafter's config -> the layers `engine` will feed it."""
+def capture_layers(drafter: DrafterSpec, target: TargetSpec | None, engine: str,
+                   version: tuple[int, ...] | None = None) -> list[int]:
+    """THE mapping: raw aux ids in the drafter's config -> the layers `engine` (at `version`) will feed it."""
     _engine(engine)
     family, num_layers = _target_facts(drafter, target)
     raw = engine_raw_ids(drafter, engine)
@@ -79,7 +83,7 @@ def capture_layers(drafter: DrafterSpec, target: TargetSpec | None, engine: str)
     if family is None and raw[0] != 1:
         raise bad_input(drafter.source, "which layers SGLang captures for these aux ids depends on the "
                                         "target family (DeepSeek/Kimi or not): pass a target")
-    return [i + 1 for i in raw] if sglang_adds_one(family, raw) else list(raw)
+    return [i + 1 for i in raw] if sglang_adds_one(family, raw, version) else list(raw)
 
 
 def engine_aux_ids(layers: list[int], target: TargetSpec | None, engine: str) -> list[int]:
@@ -90,6 +94,7 @@ def engine_aux_ids(layers: list[int], target: TargetSpec | None, engine: str) ->
     layers = [int(i) for i in layers]
     if not layers or min(layers) < 0:
         raise bad_input(None, f"aux layers must be a non-empty list of ids >= 0, got {layers}")
+    layers = list(validate_aux_ids(layers, None, "aux layers"))  # the ids written must keep the fc's column order
     if target is not None and max(layers) >= target.num_layers:
         raise bad_input(target.source, f"aux layer {max(layers)} is out of range for a {target.num_layers}-layer target")
     if engine == "vllm":
@@ -158,7 +163,10 @@ def check_drafter(spec: DrafterSpec, inv: Inventory | None, about: str = "drafte
         if not inv.pickles:
             out.append(finding("info", "config_only", "no safetensors weights: tensor names and shapes not checked", about=about))
         return out
-    expected = {canonical_name(n): i for n, i in expected_inventory(spec).items()}
+    # decoder layers 1.. are spelled as the checkpoint spells them: draftport's vLLM export (and
+    # vLLM's loader) use layers.{i}, SGLang additional_layers.{i-1}; either is consistent with the config
+    form = "vllm" if spec.layout != "speculators" and extra_layer_form(inv.tensors) == "layers" else None
+    expected = {canonical_name(n): i for n, i in expected_inventory(spec, form).items()}
     real = {canonical_name(n): i for n, i in inv.tensors.items()}
     missing = [n for n in expected if n not in real and n != "t2d"]
     if missing:
@@ -188,10 +196,16 @@ def check_drafter(spec: DrafterSpec, inv: Inventory | None, about: str = "drafte
     return out
 
 
-def engine_support(spec: DrafterSpec, inv: Inventory | None, engine: str, about: str = "drafter") -> list[dict]:
-    """What `engine` cannot load, or loads differently from what the config means (severity error)."""
+def engine_support(spec: DrafterSpec, inv: Inventory | None, engine: str, about: str = "drafter",
+                   version: tuple[int, ...] | None = None) -> list[dict]:
+    """What `engine` cannot load, or loads differently from what the config means (severity error).
+
+    The rules live in engines.py (each citing the engine source it encodes); this turns them into findings.
+    """
     out: list[dict] = []
     e = engine
+    ref = EngineRef(e, version)
+    names = list(inv.tensors) if inv is not None else []
     if e == "sglang":
         if spec.layout == "speculators":
             out.append(finding("error", "architecture_unsupported", "SGLang has no Eagle3Speculator model (and would "
@@ -204,16 +218,11 @@ def engine_support(spec: DrafterSpec, inv: Inventory | None, engine: str, about:
         elif spec.architecture not in SGLANG_ARCHS + MLA_ARCHS:
             out.append(finding("warning", "architecture_unknown", f"SGLang may not know architecture {spec.architecture}",
                                engine=e, about=about))
-        if spec.num_aux_layers != 3:
-            out.append(finding("error", "aux_count_unsupported", f"SGLang's fc reads exactly 3 aux states, this drafter "
-                               f"expects {spec.num_aux_layers}", engine=e, about=about))
-        for flag in ("norm_before_residual", "norm_before_fc"):
-            if getattr(spec, flag):
-                out.append(finding("error", "flag_ignored", f"{flag}=true is a speculators option SGLang's "
-                                   "LlamaForCausalLMEagle3 does not apply: the drafter would run with different "
-                                   "normalisation than it was trained with", engine=e, about=about))
+        count = aux_count_problem(ref, spec.num_aux_layers)
+        if count is not None:
+            out.append(finding("error", count.code, count.message, engine=e, about=about))
         if inv is not None:
-            skipped = [n for n in inv.tensors if n.startswith("layers.")]
+            skipped = [n for n in inv.tensors if n.startswith("layers.0.")]
             if skipped and spec.layout != "speculators":
                 out.append(finding("error", "tensors_skipped", f"SGLang names the decoder layer midlayer.* and silently "
                                    f"skips {_fmt(skipped, 3)}", engine=e, about=about))
@@ -227,24 +236,62 @@ def engine_support(spec: DrafterSpec, inv: Inventory | None, engine: str, about:
         if spec.nested_aux_ids is not None and spec.top_level_aux_ids is None:
             out.append(finding("warning", "aux_ids_ignored", "vLLM reads only a top-level eagle_aux_hidden_state_layer_ids; "
                                "the eagle_config ids are ignored and vLLM uses its default layers", engine=e, about=about))
-        if spec.num_layers > 1 and spec.layout != "speculators":
-            out.append(finding("error", "layers_unsupported", f"{spec.num_layers} decoder layers in SGLang's form "
-                               "(additional_layers.*, hidden_norm): vLLM stacks extra layers as layers.N and does not "
-                               "load these", engine=e, about=about))
-        if spec.fc_norm or spec.norm_output:
-            out.append(finding("warning", "flag_version", "fc_norm / norm_output (EAGLE-3.1) are read only by recent vLLM "
-                               "releases; an older one runs this drafter without them", engine=e, about=about))
+        if spec.num_layers > 1 and spec.layout != "speculators" and extra_layer_form(names) is None:
+            out.append(finding("warning", "layers_unchecked", f"{spec.num_layers} decoder layers and no weights here: vLLM "
+                               "loads extra layers only as layers.N (draftport's vLLM export), not SGLang's "
+                               "additional_layers.*", engine=e, about=about))
+        if spec.layout != "speculators" and (spec.fc_norm or spec.norm_output or spec.norm_before_fc):
+            out.append(finding("warning", "flag_version", "fc_norm / norm_output / norm_before_fc (EAGLE-3.1) are read only "
+                               "by recent vLLM releases; an older one runs this drafter without them", engine=e, about=about))
+    for p in drafter_problems(ref, spec, names):
+        out.append(finding("error", p.code, p.message, engine=e, about=about))
     return out
 
 
-def _capture_or_none(spec: DrafterSpec, target: TargetSpec | None, engine: str) -> list[int] | None:
+def _refs(engines) -> tuple[EngineRef, ...]:
+    """Engine names or EngineRefs (a name: the newest rules) -> EngineRefs."""
+    return tuple(e if isinstance(e, EngineRef) else EngineRef(_engine(e)) for e in engines)
+
+
+def embedding_findings(spec: DrafterSpec, inv: Inventory | None, target_hidden: int, engines=ENGINES,
+                       about: str = "drafter") -> list[dict]:
+    """Per engine: a drafter narrower or wider than the target must carry its own embedding (engines.py).
+    An error when the checkpoint's weights are here and lack it; a warning from a config alone."""
+    has_emb = inv is not None and any(canonical_name(n) == "embed_tokens.weight" for n in inv.tensors)
+    sure = inv is not None and inv.has_weights
+    out = []
+    for ref in _refs(engines):
+        p = embedding_problem(ref, spec.hidden_size, target_hidden, has_emb)
+        if p is not None:
+            msg = p.message if sure else p.message.replace("and the checkpoint carries none",
+                                                           "so the checkpoint must carry embed_tokens.weight")
+            out.append(finding("error" if sure else "warning", p.code, msg, engine=ref.engine, about=about))
+    return out
+
+
+def target_findings(target: TargetSpec, engines=ENGINES, about: str = "drafter") -> list[dict]:
+    """Per engine: does it serve an EAGLE-3 drafter on this target at all? (engines.target_support)"""
+    out = []
+    for ref in _refs(engines):
+        ok, why = target_support(ref, target.architecture, target.model_type, target.family)
+        if ok is False:
+            label = f"{ref.label}: " if ref.version is not None else ""  # a named release is worth repeating
+            out.append(finding("error", "target_unsupported", f"{label}{why}", engine=ref.engine, about=about))
+        elif ok is None:
+            out.append(finding("warning", "target_unknown", why, engine=ref.engine, about=about))
+    return out
+
+
+def _capture_or_none(spec: DrafterSpec, target: TargetSpec | None, engine: str,
+                     version: tuple[int, ...] | None = None) -> list[int] | None:
     try:
-        return capture_layers(spec, target, engine)
+        return capture_layers(spec, target, engine, version)
     except DraftportError:
         return None
 
 
-def _explain_capture(spec: DrafterSpec, target: TargetSpec, engine: str, layers: list[int]) -> str:
+def _explain_capture(spec: DrafterSpec, target: TargetSpec, engine: str, layers: list[int],
+                     version: tuple[int, ...] | None = None) -> str:
     raw = engine_raw_ids(spec, engine)
     name = "SGLang" if engine == "sglang" else "vLLM"
     if raw is None:
@@ -253,8 +300,12 @@ def _explain_capture(spec: DrafterSpec, target: TargetSpec, engine: str, layers:
     if engine == "vllm":
         return f"vLLM captures {layers} (top-level ids used as written)"
     if target.family == "deepseek":
-        rule = "+1 because the first id is 1" if sglang_adds_one("deepseek", raw) else "as written: first id is not 1"
-        return f"SGLang captures {layers} (eagle_config ids {list(raw)}, {rule} on DeepSeek/Kimi; {SGLANG_RULE_NOTE})"
+        if not sglang_adds_one("deepseek", raw, version):
+            rule = "as written: first id is not 1"
+        else:
+            rule = "+1 because the first id is 1" if EngineRef("sglang", version).at_least((0, 5, 23)) else "+1"
+        note = sglang_rule_note(EngineRef("sglang", version))
+        return f"SGLang captures {layers} (eagle_config ids {list(raw)}, {rule} on DeepSeek/Kimi; {note})"
     return f"SGLang captures {layers} (eagle_config ids {list(raw)} + 1 on {target.family} targets)"
 
 
@@ -267,12 +318,10 @@ def check_target(spec: DrafterSpec, inv: Inventory | None, target: TargetSpec, e
     if s.target_hidden_size != t.hidden_size:
         out.append(finding("error", "hidden_size_mismatch", f"fc reads {s.num_aux_layers} × {s.target_hidden_size} but "
                            f"the target's hidden states are {t.hidden_size} wide", about=about))
-    if s.hidden_size != t.hidden_size and s.target_hidden_size == t.hidden_size:
-        has_emb = inv is not None and any(canonical_name(n) == "embed_tokens.weight" for n in inv.tensors)
-        if not has_emb:
-            out.append(finding("warning" if inv is None or not inv.has_weights else "error", "embedding_missing",
-                               f"drafter width {s.hidden_size} differs from the target's {t.hidden_size}: engines "
-                               "cannot share the target's embedding and the checkpoint must carry its own", about=about))
+    refs = _refs(engines)
+    out += target_findings(t, refs, about=about)
+    if s.target_hidden_size == t.hidden_size:
+        out += embedding_findings(s, inv, t.hidden_size, refs, about=about)
     if s.vocab_size != t.vocab_size:
         out.append(finding("error", "vocab_mismatch", f"drafter vocab {s.vocab_size} vs target vocab {t.vocab_size}: "
                            "the embedding, t2d and d2t index a different tokenizer", about=about))
@@ -288,11 +337,13 @@ def check_target(spec: DrafterSpec, inv: Inventory | None, target: TargetSpec, e
         out.append(finding("warning", "target_differs", f"this drafter was trained on {s.target_architecture} with "
                            f"{s.target_num_layers} layers; the target is {t.architecture} with {t.num_layers}", about=about))
     captured: dict[str, list[int]] = {}
-    for e in engines:
-        out += engine_support(s, inv, e, about=about)
-        layers = capture_layers(s, t, e)
+    for ref in refs:
+        e = ref.engine
+        out += engine_support(s, inv, e, about=about, version=ref.version)
+        layers = capture_layers(s, t, e, ref.version)
         captured[e] = layers
-        out.append(finding("info", "capture_layers", _explain_capture(s, t, e, layers), engine=e, about=about))
+        out.append(finding("info", "capture_layers", _explain_capture(s, t, e, layers, ref.version), engine=e,
+                           about=about))
         bad = [i for i in layers if not 0 <= i < t.num_layers]
         if bad:
             out.append(finding("error", "aux_ids_out_of_range", f"captured layers {bad} do not exist in a "
@@ -380,8 +431,9 @@ def check_drafters(a: DrafterSpec, b: DrafterSpec, *, inv_a: Inventory | None = 
         if va != vb:
             add("warm-start", f"{f}_differs", f"{f}: {va!r} vs {vb!r} (changes what the drafter computes)")
 
-    for e in engines:
-        ca, cb = _capture_or_none(a, target, e), _capture_or_none(b, target, e)
+    for ref in _refs(engines):
+        e, v = ref.engine, ref.version
+        ca, cb = _capture_or_none(a, target, e, v), _capture_or_none(b, target, e, v)
         ra, rb = engine_raw_ids(a, e), engine_raw_ids(b, e)
         name = "SGLang" if e == "sglang" else "vLLM"
         if ca is None or cb is None:
@@ -393,8 +445,8 @@ def check_drafters(a: DrafterSpec, b: DrafterSpec, *, inv_a: Inventory | None = 
         elif ra != rb:
             add("drop-in", "aux_ids_raw_differ", f"raw ids {_ids_str(ra)} vs {_ids_str(rb)} but {name} feeds both "
                 f"layers {ca}", engine=e)
-        sa = [f for f in engine_support(a, inv_a, e) if f["severity"] == "error"]
-        sb = [f for f in engine_support(b, inv_b, e) if f["severity"] == "error"]
+        sa = [f for f in engine_support(a, inv_a, e, version=v) if f["severity"] == "error"]
+        sb = [f for f in engine_support(b, inv_b, e, version=v) if f["severity"] == "error"]
         if bool(sa) != bool(sb):
             which, why = ("the first", sa[0]) if sa else ("the second", sb[0])
             add("warm-start", "engine_load_differs", f"{name} loads only one of them; {which} needs converting: "
@@ -456,9 +508,8 @@ def _worst_exit(*verdicts: str | None) -> int:
 
 def run_check(cfg: CheckConfig) -> dict:
     """Everything `check` reports, as the JSON object `--json` prints."""
-    if cfg.engine not in ENGINES + ("both",):
-        raise bad_input(None, f"unknown engine {cfg.engine!r}")
-    engines = ENGINES if cfg.engine == "both" else (cfg.engine,)
+    refs = parse_engines(cfg.engine)
+    engines = tuple(r.engine for r in refs)
     a, inv_a = _load_drafter(cfg.drafter)
     nbytes = a.bytes_read + inv_a.bytes_read
     findings = check_drafter(a, inv_a, "drafter")
@@ -480,13 +531,13 @@ def run_check(cfg: CheckConfig) -> dict:
         if "d2t" in inv_a.tensors and "d2t" in inv_b.tensors:  # the only tensor data check ever reads
             d2t_a, d2t_b = read_d2t(inv_a.source, inv_a), read_d2t(inv_b.source, inv_b)
             nbytes += d2t_a.nbytes + d2t_b.nbytes
-        verdict, pair, same = check_drafters(a, b, inv_a=inv_a, inv_b=inv_b, target=target, engines=engines,
+        verdict, pair, same = check_drafters(a, b, inv_a=inv_a, inv_b=inv_b, target=target, engines=refs,
                                              d2t_a=d2t_a, d2t_b=d2t_b)
         findings += pair
         result["verdict"] = verdict
         result["transferable_tensors"] = same
     if target is not None:
-        tf, captured = check_target(a, inv_a, target, engines)
+        tf, captured = check_target(a, inv_a, target, refs)
         findings += tf
         per_engine = {e: "incompatible" if structural or any(
             f["severity"] == "error" and f.get("engine") in (None, e) for f in tf) else "compatible" for e in engines}
@@ -495,9 +546,18 @@ def run_check(cfg: CheckConfig) -> dict:
         result["capture_layers"] = captured
         result.setdefault("verdict", result["target_verdict"])
     if b is None and target is None:
-        for e in engines:  # without a target, what an engine cannot load is advice, not a verdict
-            findings += [dict(f, severity="warning") for f in engine_support(a, inv_a, e)]
-        result["verdict"] = "invalid" if structural else "valid"
+        # without a target the question is "can these engines load this checkpoint as its config
+        # means": what an engine cannot load or would load silently wrong makes it invalid for it
+        ef: list[dict] = []
+        for ref in refs:
+            ef += engine_support(a, inv_a, ref.engine, version=ref.version)
+        if a.target_hidden_size != a.hidden_size:  # the states fc reads are the target's width
+            ef += embedding_findings(a, inv_a, a.target_hidden_size, refs)
+        findings += ef
+        per_engine = {e: "incompatible" if structural or any(f["severity"] == "error" and f.get("engine") == e
+                                                             for f in ef) else "compatible" for e in engines}
+        result["engine_verdicts"] = per_engine
+        result["verdict"] = "invalid" if "incompatible" in per_engine.values() else "valid"
     result["findings"] = findings
     result["bytes_read"] = int(nbytes)
     return {"verdict": result.pop("verdict"), **result}

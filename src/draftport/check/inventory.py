@@ -102,7 +102,8 @@ def expected_inventory(spec: DrafterSpec, layout: str | None = None) -> dict[str
     """The tensors an engine loads for this spec, named as `layout` writes them.
 
     layout: "sglang" (also "eagle", "mla": `midlayer.`, extra layers as SGLang's
-    `additional_layers.{i-1}.`) or "speculators" (`layers.{i}.`). The target's embedding is not
+    `additional_layers.{i-1}.`), "vllm" (`midlayer.`, extra layers as `layers.{i}.`, what
+    draftport's vLLM export writes) or "speculators" (`layers.{i}.`). The target's embedding is not
     listed: it is frozen, shared from the target and often absent from checkpoints.
     """
     layout = layout or spec.layout
@@ -123,7 +124,7 @@ def expected_inventory(spec: DrafterSpec, layout: str | None = None) -> dict[str
     out[f"{first}post_attention_layernorm.weight"] = TensorInfo((H,), dt)
     out.update(_mlp(f"{first}mlp.", s, dt))
     for i in range(1, spec.num_layers):  # later layers read H, not cat(embed, hidden)
-        if layout == "speculators":
+        if layout in ("speculators", "vllm"):
             p = f"layers.{i}."
             out[f"{p}input_layernorm.weight"] = TensorInfo((H,), dt)
         else:

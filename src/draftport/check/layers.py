@@ -13,6 +13,9 @@ Precedence (`resolve_aux_layers`):
    `eagle_config` ids, vLLM for top-level / speculators ids: a foreign drafter was trained on what
    its own engine fed it); a caller asking about one engine (probe --engine) names it;
 4. with no drafter at all (capture, training from scratch): `default_aux_layers`.
+
+Wherever ids enter (config files through spec.py, `--aux-layers`, capture and train configs, the ids
+export writes) they go through `validate_aux_ids`: unique and ascending, or refused.
 """
 
 from __future__ import annotations
@@ -28,6 +31,27 @@ def default_aux_layers(num_layers: int) -> list[int]:
     if num_layers < 4:
         raise bad_input(None, f"a target needs at least 4 layers for the default aux layers, got {num_layers}")
     return [2, num_layers // 2, num_layers - 3]
+
+
+def validate_aux_ids(ids, where: str | None, what: str = "aux layer ids") -> tuple[int, ...]:
+    """Refuse duplicates and unsorted ids (one line naming `where`).
+
+    Both engines collect aux states by walking the target's layers and appending the state of each
+    layer in their capture list (SGLang `if i in layers_to_capture`, vLLM likewise), so the fc always
+    sees them in ascending layer order, whatever order the config lists: unsorted ids would mean
+    one fc column order to draftport and another to the engine, and a duplicate yields fewer states
+    than the fc is wide. Unsorted ids are refused, not sorted silently: a file or flag that wrote
+    them believed the order mattered, and its fc may have been trained on the permuted order.
+    """
+    ids = tuple(int(i) for i in ids)
+    dup = sorted({i for i in ids if ids.count(i) > 1})
+    if dup:
+        raise bad_input(where, f"{what} {list(ids)} repeat {dup}: engines capture each layer once, so the fc "
+                               f"would get {len(set(ids))} states instead of {len(ids)}")
+    if list(ids) != sorted(ids):
+        raise bad_input(where, f"{what} {list(ids)} are not ascending: engines feed the states in layer order, "
+                               f"so write them as {sorted(ids)}")
+    return ids
 
 
 def native_engine(spec: DrafterSpec) -> str:

@@ -180,7 +180,11 @@ def _ids(v: Any, key: str, source: str) -> tuple[int, ...] | None:
         return None
     if not isinstance(v, list) or not v or not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
         raise bad_input(source, f"'{key}' must be a non-empty list of integers, got {v!r}"[:200])
-    return tuple(v)
+    # duplicates and unsorted ids are refused where they enter (layers.validate_aux_ids says why);
+    # imported here: check/layers.py reads this module's specs at its top
+    from draftport.check.layers import validate_aux_ids
+
+    return validate_aux_ids(v, source, f"'{key}'")
 
 
 def _obj(d: dict, key: str, source: str) -> dict | None:

@@ -19,6 +19,11 @@ unchanged. On CUDA the verify pass and the draft steps replay from CUDA graphs (
 the first replay their whole draft phase as one graph); on CPU they run eagerly.
 The static cache, the graph capture and the attention-kernel choice live in decode/graphs.py; this
 module holds the engine's configuration, its passes and the drafting cycles.
+
+Prompt lookup (`lookup=decode/ngram.PromptLookup(...)`, issue 20) drafts from the context instead of (or, the
+hybrid, beside) a trained drafter: after each accept one graphed function writes the emitted tokens
+into a context buffer and proposes the next cycle's chain, whose match length returns with the cycle's
+one host copy (_lookup_cycle).
 """
 
 from __future__ import annotations
@@ -59,6 +64,9 @@ class EngineConfig:
                                          # efficient | math | cudnn
     graph_draft_phase: bool = True       # with CUDA graphs: a cycle's whole draft phase (extend, steps, tree
                                          # bookkeeping) as one graph, not one per drafter step (greedy only)
+    ngram_no_match: str = "step"         # prompt lookup alone, a cycle whose lookup found no match: "step"
+                                         # verifies the last token only (a plain step), "pad" verifies k
+                                         # drafts of the last token anyway (one verify shape)
 
     @property
     def is_tree(self) -> bool:
@@ -82,6 +90,8 @@ class EngineConfig:
             raise DraftportError(f"need temperature >= 0 and 0 < top_p <= 1 (got {self.temperature}, {self.top_p})")
         if self.sdpa not in SDPA_CHOICES:
             raise DraftportError(f"sdpa must be one of {', '.join(SDPA_CHOICES)} (got {self.sdpa!r})")
+        if self.ngram_no_match not in ("step", "pad"):
+            raise DraftportError(f"ngram_no_match must be 'step' or 'pad' (got {self.ngram_no_match!r})")
         return dataclasses.replace(self, depth=depth, num_draft_tokens=nodes)
 
 
@@ -100,11 +110,24 @@ class GenerationResult:
     accept_lens: list[int]        # per cycle: accepted drafts + 1 (the cycle's τ; 1 without a drafter)
     cycles: int                   # verify passes after the prefill
     timings: Timings
+    match_lens: list[int] = field(default_factory=list)  # prompt lookup: per cycle the match length (0: none)
+    sources: list[str] = field(default_factory=list)     # prompt lookup: per cycle whose drafts were verified:
+                                                         # "ngram", "drafter" (hybrid) or "none" (1-token cycle)
 
     @property
     def accept_len(self) -> float:
         """τ: mean tokens per cycle."""
         return sum(self.accept_lens) / max(len(self.accept_lens), 1)
+
+
+@dataclass
+class _LookupState:
+    """Prompt lookup between cycles: the next cycle's proposal (on the device), its match length (on
+    the host, from the last cycle's host copy) and the per-cycle record for GenerationResult."""
+    drafts: torch.Tensor          # [k] int64
+    match: int                    # the proposal's match length (0: no match)
+    match_lens: list[int] = field(default_factory=list)
+    sources: list[str] = field(default_factory=list)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -118,7 +141,7 @@ class SpecEngine:
     Caches and CUDA graphs are built once and reused by every `generate` call.
     """
 
-    def __init__(self, target, drafter=None, cfg: EngineConfig | None = None):
+    def __init__(self, target, drafter=None, cfg: EngineConfig | None = None, lookup=None):
         self.cfg = (cfg or EngineConfig()).resolved()
         self.target, self.drafter = target, drafter
         self.model = target.model
@@ -153,6 +176,7 @@ class SpecEngine:
         self.aux_layers: list[int] = []
         if drafter is not None:
             self._init_drafter(drafter)
+        self._init_lookup(lookup)
 
     def _init_drafter(self, drafter) -> None:
         spec = drafter.spec
@@ -275,7 +299,7 @@ class SpecEngine:
 
     def _check_room(self, prompt_len: int, max_new_tokens: int) -> None:
         c = self.cfg
-        per_cycle = 1 if self.drafter is None else max(c.num_draft_tokens, c.depth + 1, (c.depth - 1) * c.topk + 1)
+        per_cycle = 1 if self.drafter is None and self.lookup is None else max(c.num_draft_tokens, c.depth + 1, (c.depth - 1) * c.topk + 1)
         need = prompt_len + max_new_tokens + per_cycle
         if need > self.S:
             raise DraftportError(f"a {prompt_len}-token prompt plus {max_new_tokens} new tokens needs {need} "
@@ -306,12 +330,15 @@ class SpecEngine:
         if self.drafter is not None:
             h, dl = self.drafter_extend(aux, torch.cat([prompt[1:], last[None]]), zero, graphed=False)
             state = ("ready", h[-1], dl[-1])
+        ng = self._lookup_start(prompt, last) if self.lookup is not None else None
         out = [int(last)]
         timings = Timings(prefill_s=time.perf_counter() - t_start)
         accept_lens: list[int] = []
         n = P
         while len(out) < max_new_tokens and out[-1] not in eos:
-            if self.drafter is None:
+            if ng is not None:
+                emitted, last, state = self._lookup_cycle(last, n, state, ng, clock)
+            elif self.drafter is None:
                 emitted, last = self._plain_cycle(last, n, clock)
             elif self.cfg.is_tree:
                 emitted, last, state = self._tree_cycle(last, n, state, clock)
@@ -325,7 +352,10 @@ class SpecEngine:
                     break
         timings.draft_s, timings.verify_s, timings.overhead_s = clock.split()
         timings.total_s = time.perf_counter() - t_start
-        return GenerationResult(out[:max_new_tokens], accept_lens, len(accept_lens), timings)
+        res = GenerationResult(out[:max_new_tokens], accept_lens, len(accept_lens), timings)
+        if ng is not None:
+            res.match_lens, res.sources = ng.match_lens, ng.sources
+        return res
 
     def _plain_cycle(self, last, n, clock):
         clock.mark()
@@ -522,6 +552,97 @@ class SpecEngine:
         h, dl = self.drafter_extend(aux, ext, nt)
         row = a.reshape(1)                                                 # index by tensor: no host sync
         return h.index_select(0, row)[0], dl.index_select(0, row)[0]
+
+    # -- prompt lookup (--drafter ngram) and the hybrid (--hybrid) -----------------------------
+    def _init_lookup(self, lookup) -> None:
+        """Prompt lookup alone (drafter None) or beside a trained drafter (the hybrid: lookup.min_match
+        set). Chain only: a lookup proposes one path, and the hybrid swaps whole chains."""
+        self.lookup = lookup
+        if lookup is None:
+            return
+        if self.cfg.is_tree:
+            raise DraftportError("prompt lookup drafts a chain: --topk must be 1 with --drafter ngram or --hybrid")
+        if self.drafter is not None and not lookup.hybrid:
+            raise DraftportError("prompt lookup beside a trained drafter is the hybrid: it needs --ngram-min-match")
+        if self.drafter is None and lookup.hybrid:
+            raise DraftportError("--hybrid needs a trained drafter (--drafter DIR)")
+        self._ctx = torch.zeros(self.S, dtype=torch.long, device=self.device)   # the context, by position
+
+    def _lookup_start(self, prompt, last) -> "_LookupState":
+        """After the prefill: the context buffer holds prompt + x_P, and the first cycle's proposal is
+        made. Its match length is read here (the prefill reads `last` anyway); later cycles read theirs
+        with the cycle's one host copy (_lookup_cycle), so no cycle syncs for the lookup."""
+        P = prompt.shape[0]
+        self._ctx[:P] = prompt
+        self._ctx[P] = last
+        drafts, m = self.lookup.propose(self._ctx, P + 1, self.cfg.depth)
+        return _LookupState(drafts, int(m))
+
+    def _lookup_update_fn(self, ext, nt, a):
+        """After a cycle's accept: write x_{n+1}.. (ext [k+1], padded past a) into the context buffer at
+        positions n+1.., and propose for the next cycle from the n + a + 2 tokens now known. Tensors
+        only (the buffer is the engine's, written in place), so it replays as one CUDA graph; the
+        padding it writes lies past the context's length and is overwritten before it is read."""
+        W = ext.shape[0]
+        self._ctx.index_copy_(0, nt + 1 + self._ar[:W], ext)
+        return self.lookup.propose(self._ctx, nt + a + 2, self.cfg.depth)
+
+    def _lookup_cycle(self, last, n, state, ng: "_LookupState", clock):
+        """One chain cycle with prompt lookup. Which drafts the cycle verifies is decided on the host
+        from the match length the previous cycle's host copy brought back (no extra sync):
+            prompt lookup alone: the n-gram drafts when a match was found; without one, the last
+                token alone (ngram_no_match "step": a plain 1-token cycle) or the padding drafts ("pad");
+            hybrid: the n-gram drafts when the match is at least min_match long, else the trained
+                drafter's chain (its usual draft phase). In an n-gram cycle the drafter still runs its
+                extend over the previous cycle's accepted rows (the target's aux states at those
+                positions), so its KV cache holds the real features of every accepted token and the
+                next drafter cycle continues exactly as if it had drafted every cycle.
+        Acceptance is the chain's: greedy, or speculative sampling with the n-gram proposal as a
+        one-hot draft distribution (accept d with probability p(d); on rejection sample from
+        normalise(max(p − onehot(d), 0))), lossless either way."""
+        c, dev = self.cfg, self.device
+        k, greedy = c.depth, c.temperature <= 0
+        hybrid = self.drafter is not None
+        if hybrid:
+            source = "ngram" if ng.match >= self.lookup.min_match else "drafter"
+        else:
+            source = "ngram" if ng.match > 0 or c.ngram_no_match == "pad" else "none"
+        clock.mark()
+        qs = []
+        if source == "drafter":
+            d, qs = self.draft_phase(state, n, last)
+        else:
+            if hybrid:  # the drafter re-reads the accepted rows; its k-1 draft steps are skipped
+                self._drafter_ready(state)
+            d = ng.drafts
+        clock.mark()
+        nt = torch.full((), n, dtype=torch.long, device=dev)
+        if source == "none":
+            logits, aux = self.target_pass(last[None], nt, self._ar[:1], self._ones11)
+            a, nxt = self._zero, self._pick(logits[0])
+            ext = nxt.reshape(1).expand(k + 1)                             # one shape for the lookup update
+        else:
+            tokens = torch.cat([last[None], d])
+            tmask = torch.ones(k + 1, k + 1, dtype=torch.bool, device=dev).tril()
+            logits, aux = self.target_pass(tokens, nt, self._ar[:k + 1], tmask)
+            if greedy:
+                a, nxt = sampling.greedy_accept(d[None], logits[None])
+            else:
+                # the n-gram draft's distribution: one-hot (scatter: F.one_hot checks its range on the host)
+                q = torch.stack(qs) if qs else torch.zeros(k, self.vocab_size, device=dev).scatter_(1, d[:, None], 1.0)
+                probs = sampling.warp_probs(logits, c.temperature, c.top_p)
+                a, nxt = sampling.chain_accept(d[None], q[None], probs[None], self._gen)
+            a, nxt = a[0], nxt[0]
+            ext = _extend_tokens(d, a, nxt)                                # [k+1]
+        clock.mark()
+        drafts, m = self._call("lookup", self._lookup_update_fn, ext, nt, a)
+        ng.drafts = drafts.clone()                                         # a graph output: the next replay rewrites it
+        host = self._emitted(a + 1, torch.cat([m[None], ext]))             # the one host sync: [m, x_{n+1}..x_{n+a+1}]
+        ng.match_lens.append(ng.match)
+        ng.sources.append(source)
+        ng.match, emitted = host[0], host[1:]
+        clock.mark()
+        return emitted, nxt, (("pending", aux, ext, nt, a) if hybrid else None)
 
 
 def _positions(p, count: int, device) -> torch.Tensor:

@@ -8,6 +8,11 @@ For each prompt (the first user turn, chat template applied — `plain` for base
                so it should equal the online τ): chains by offline.py, trees by the engine's own draft
                phase without verify passes (SpecEngine.replay_tree); with --store, offline.py's chains
                on the capture store;
+    floor      prompt lookup (ngram.py: the last ngram_max..ngram_min tokens matched earlier in the context,
+               drafts = the drafter's depth, a chain) on the same prompts, beside every drafter (summary
+               `floor`), and with --hybrid the hybrid (the n-gram draft when its match is at least
+               --ngram-min-match long, else the drafter's; summary `hybrid`); `--drafter ngram` makes
+               prompt lookup the speculative run itself (then `floor` is that run);
 and records τ, per-position acceptance, the acceptance histogram, per-cycle draft / verify / overhead
 times, and the tok/s that economics predicts from step times measured in isolation (the cycle's draft
 phase, a verify pass of k+1 tokens or N tree nodes; medians of repeated calls) and the offline τ —
@@ -36,6 +41,7 @@ from draftport.safeio import atomic_write_bytes, atomic_write_json, sha256_file
 
 DEFAULT_MAX_NEW_TOKENS = 128   # per prompt; EAGLE's MT-bench runs use 1024, which takes minutes a prompt on a CPU
 DEFAULT_TIMING_REPEATS = 20    # calls per isolated step measurement (median taken)
+NGRAM = "ngram"                # --drafter ngram: prompt lookup, no checkpoint (a directory of that name: ./ngram)
 
 
 @dataclass
@@ -64,6 +70,10 @@ class EvalConfig:
     json: bool = False                   # one JSON object on stdout
     timing_repeats: int = DEFAULT_TIMING_REPEATS  # calls per isolated step timing
     offline_samples: int = 200           # store samples used for the offline τ at most
+    ngram_max: int = 3                   # prompt lookup (--drafter ngram, the floor, --hybrid): longest n tried
+    ngram_min: int = 1                   # shortest n tried
+    hybrid: bool = False                 # also run the hybrid (n-gram draft when its match is long enough)
+    ngram_min_match: int | None = None   # hybrid threshold (default ngram.DEFAULT_MIN_MATCH)
 
 
 @dataclass
@@ -85,6 +95,10 @@ class GenerateConfig:
     chat_template: str | None = None
     trust_remote_code: bool = False
     json: bool = False
+    ngram_max: int = 3                   # as EvalConfig
+    ngram_min: int = 1
+    hybrid: bool = False                 # --drafter DIR --hybrid: prompt lookup first, the drafter otherwise
+    ngram_min_match: int | None = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -328,12 +342,172 @@ def offline_on_outputs(spec, target, prompt_ids: list[int], continuation: list[i
 
 
 # ---------------------------------------------------------------------------------------------
+# Prompt lookup: --drafter ngram, the floor beside every drafter, --hybrid
+# ---------------------------------------------------------------------------------------------
+
+def lookup_for(cfg, hybrid: bool = False):
+    """The PromptLookup a config asks for (the floor and --drafter ngram: hybrid False); checks the
+    flags' combination first, so a bad one fails before any model loads."""
+    from draftport.decode.ngram import DEFAULT_MIN_MATCH, PromptLookup
+
+    ngram_only = cfg.drafter == NGRAM
+    if cfg.hybrid and (ngram_only or cfg.drafter is None):
+        raise DraftportError("--hybrid needs a trained drafter: --drafter DIR --hybrid (prompt lookup alone is "
+                             "--drafter ngram)")
+    if cfg.ngram_min_match is not None and not cfg.hybrid:
+        raise DraftportError("--ngram-min-match only applies with --hybrid")
+    M = None
+    if hybrid:
+        M = cfg.ngram_min_match if cfg.ngram_min_match is not None else min(max(DEFAULT_MIN_MATCH, cfg.ngram_min),
+                                                                            cfg.ngram_max)
+    return PromptLookup(cfg.ngram_max, cfg.ngram_min, M)
+
+
+def lookup_walk(lookup, prompt_ids: list[int], continuation: list[int], depth: int, max_new_tokens: int,
+                skip_no_match: bool = True):
+    """Offline τ of prompt lookup on the baseline's continuation (ngram.offline_walk): on the target's
+    greedy text, exactly the online greedy τ. Returns (WalkResult, match length per cycle)."""
+    from draftport.decode.ngram import offline_walk
+    from draftport.decode.offline import WalkResult
+
+    acc, matches = offline_walk(prompt_ids + continuation, len(prompt_ids), depth, lookup, max_new_tokens, skip_no_match)
+    return WalkResult(cycle_accepts=acc), matches
+
+
+def _split_tau(keys: list, accept_lens: list[int]) -> dict:
+    """{key: {cycles, accept_len}}: τ of the cycles grouped by a per-cycle key (match length, source)."""
+    out: dict = {}
+    for key, t in zip(keys, accept_lens):
+        row = out.setdefault(str(key), {"cycles": 0, "accept_len": 0.0})
+        row["cycles"] += 1
+        row["accept_len"] += t
+    for row in out.values():
+        row["accept_len"] /= row["cycles"]
+    return dict(sorted(out.items()))
+
+
+class RunFigures:
+    """One extra engine's runs over eval's prompts (the floor, the hybrid): the figures eval reports for
+    its speculative run, plus τ by the lookup's match length and by the source of each cycle's drafts
+    (what choosing --ngram-min-match needs: a match length whose n-gram τ beats the drafter's)."""
+
+    def __init__(self, depth: int, lookup):
+        self.k, self.lookup = depth, lookup
+        self.accept_lens, self.match_lens, self.sources = [], [], []
+        self.draft_s, self.verify_s, self.over_s = [], [], []
+        self.offline, self.offline_matches = [], []
+        self.tok = self.match = self.compared = self.exact = self.prompts = 0
+        self.secs = 0.0
+
+    def add(self, res, ref: list[int]) -> dict:
+        """A generation against the no-speculation output ref (same prompt); returns its metrics.jsonl fields."""
+        tok, secs = len(res.token_ids) - 1, res.timings.total_s - res.timings.prefill_s
+        m = prefix_match(res.token_ids, ref)
+        self.tok, self.secs, self.prompts = self.tok + tok, self.secs + secs, self.prompts + 1
+        self.match, self.compared = self.match + m, self.compared + max(len(ref), len(res.token_ids))
+        self.exact += int(res.token_ids == ref)
+        self.accept_lens += res.accept_lens
+        self.match_lens += res.match_lens
+        self.sources += res.sources
+        self.draft_s += res.timings.draft_s
+        self.verify_s += res.timings.verify_s
+        self.over_s += res.timings.overhead_s
+        return {"accept_len": res.accept_len, "tok_s": decode_rate(tok, secs), "match": res.token_ids == ref,
+                "cycles": res.cycles}
+
+    def add_offline(self, walk, matches: list[int]) -> None:
+        self.offline += walk.cycle_accepts
+        self.offline_matches += matches
+
+    def summary(self, baseline_tok_s: float | None, greedy: bool) -> dict:
+        from draftport.decode import offline
+
+        online = offline.summarize([t - 1 for t in self.accept_lens], self.k)
+        tok_s = decode_rate(self.tok, self.secs)
+        draft_ms, verify_ms, over_ms = _mean_ms(self.draft_s), _mean_ms(self.verify_s), _mean_ms(self.over_s)
+        off = offline.summarize(self.offline, self.k) if self.offline else None
+        lk = self.lookup
+        return {
+            "accept_len": online["accept_len"], "per_position_accept": online["per_position"],
+            "accept_hist": online["accept_hist"], "cycles": online["cycles"], "tok_s": tok_s,
+            "speedup": tok_s / baseline_tok_s if tok_s and baseline_tok_s else None,
+            "match_rate": self.match / self.compared if greedy and self.compared else None,
+            "exact_match_prompts": self.exact / self.prompts if greedy and self.prompts else None,
+            "draft_ms": draft_ms, "verify_ms": verify_ms, "overhead_ms": over_ms,
+            "cycle_ms": sum(x for x in (draft_ms, verify_ms, over_ms) if x is not None) if verify_ms else None,
+            "by_match_len": _split_tau(self.match_lens, self.accept_lens),
+            "by_source": _split_tau(self.sources, self.accept_lens),
+            "offline_accept_len": off["accept_len"] if off else None,
+            "offline_rel_err": rel_err(off["accept_len"], online["accept_len"]) if off else None,
+            "offline_by_match_len": _split_tau(self.offline_matches, [a + 1 for a in self.offline]) if off else None,
+            "config": {"depth": self.k, "ngram_max": lk.ngram_max, "ngram_min": lk.ngram_min,
+                       "min_match": lk.min_match},
+        }
+
+
+def measure_lookup_steps(base, spec, position: int, repeats: int) -> dict:
+    """measure_steps for --drafter ngram: the 1-token step, the (k+1)-token verify (no aux capture) and
+    the lookup (the context update + proposal after the accept, graphed as the cycle runs it; it is
+    part of each cycle's measured overhead). No drafter: draft_phase_ms and draft_ms_per_step are 0."""
+    import torch
+
+    c, dev, S = spec.cfg, spec.device, spec.S
+    k = c.depth
+    n = max(1, min(position, S - k - 3))
+    ar = torch.arange(S, device=dev)
+    nt = torch.full((), n, dtype=torch.long, device=dev)
+    zero = torch.zeros((), dtype=torch.long, device=dev)
+    one, ids = torch.ones(1, 1, dtype=torch.bool, device=dev), torch.zeros(k + 1, dtype=torch.long, device=dev)
+    tril = torch.ones(k + 1, k + 1, dtype=torch.bool, device=dev).tril()
+    out = {"timing_position": n}
+    out["decode_step_ms"] = time_call(lambda: base.target_pass(ids[:1], nt, ar[:1], one), dev, repeats, inner=STEP_INNER)
+    out["verify_ms"] = time_call(lambda: spec.target_pass(ids, nt, ar[:k + 1], tril), dev, repeats, inner=STEP_INNER)
+    # writes context slots > n only, which the next generate rewrites after its prefill
+    out["lookup_ms"] = time_call(lambda: spec._call("lookup", spec._lookup_update_fn, ids, nt, zero), dev, repeats,
+                                 inner=STEP_INNER)
+    out.update(draft_step_ms=None, extend_ms=None, draft_phase_ms=0.0, draft_ms_per_step=0.0)
+    out["verify_over_decode"] = out["verify_ms"] / out["decode_step_ms"] if out["decode_step_ms"] > 0 else None
+    return out
+
+
+def render_floor(summary: dict, console) -> None:
+    """The drafter beside prompt lookup (and the hybrid) on the same prompts."""
+    from rich.table import Table
+
+    fl = summary.get("floor")
+    if not fl:
+        return
+    t = Table(title=f"beside the training-free floor (prompt lookup, n {fl['config']['ngram_min']}–"
+                    f"{fl['config']['ngram_max']}, {fl['config']['depth']} drafts a cycle)")
+    for col in ("run", "τ", "per-position acceptance", "tok/s", "speedup", "greedy match"):
+        t.add_column(col, justify="left" if col in ("run", "per-position acceptance") else "right")
+    runs = [] if summary["config"].get("drafter") == NGRAM else [("drafter", summary)]
+    runs.append(("prompt lookup" + (" (offline τ " + _fmt(fl["offline_accept_len"], "{:.3f}") + ")"), fl))
+    if summary.get("hybrid"):
+        runs.append((f"hybrid (n-gram when match ≥ {summary['hybrid']['config']['min_match']})", summary["hybrid"]))
+    for name, r in runs:
+        t.add_row(name, _fmt(r["accept_len"], "{:.3f}"), " ".join(f"{x:.2f}" for x in r["per_position_accept"]),
+                  _fmt(r["tok_s"], "{:.1f}"), _fmt(r["speedup"], "{:.2f}×"), _fmt(r["match_rate"], "{:.4f}"))
+    console.print(t)
+    by = fl.get("by_match_len") or {}
+    if by:
+        console.print("prompt lookup τ by match length: " + ", ".join(
+            f"{m}: {r['accept_len']:.2f} ({r['cycles']} cycles)" for m, r in by.items()))
+    if summary.get("hybrid"):
+        console.print("hybrid τ by source: " + ", ".join(
+            f"{s}: {r['accept_len']:.2f} ({r['cycles']} cycles)" for s, r in summary["hybrid"]["by_source"].items()))
+
+
+# ---------------------------------------------------------------------------------------------
 # eval
 # ---------------------------------------------------------------------------------------------
 
-def eval_engines(cfg: EvalConfig, target, drafter, prompts: list[list[int]], N: int):
-    """-> (the speculative EngineConfig resolved, the plain engine, the speculative engine), both with
-    caches long enough for the longest prompt, N new tokens and one cycle's drafts past them."""
+def eval_engines(cfg: EvalConfig, target, drafter, prompts: list[list[int]], N: int, lk=None, hyb_lk=None,
+                 ngram_only: bool = False):
+    """-> (the speculative EngineConfig resolved, the plain engine, the speculative engine, the floor, the
+    hybrid), all with caches long enough for the longest prompt, N new tokens and one cycle's drafts past
+    them. lk: the prompt lookup of the floor (and of the speculative engine when ngram_only, then there
+    is no floor); hyb_lk: the hybrid's (None: no hybrid engine)."""
     from draftport.decode.engine import EngineConfig, SpecEngine
 
     ecfg = EngineConfig(depth=cfg.depth, topk=cfg.topk, num_draft_tokens=cfg.num_draft_tokens,
@@ -344,7 +518,13 @@ def eval_engines(cfg: EvalConfig, target, drafter, prompts: list[list[int]], N: 
     ecfg.max_len = max(len(p) for p in prompts) + N + k + per_cycle + 8
     base = SpecEngine(target, None, EngineConfig(temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed,
                                                  max_len=ecfg.max_len, fuse=cfg.fuse, sdpa=cfg.sdpa))
-    return ecfg, base, SpecEngine(target, drafter, ecfg)
+    spec = SpecEngine(target, None, ecfg, lookup=lk) if ngram_only else SpecEngine(target, drafter, ecfg)
+    # the floor: prompt lookup with the drafter's depth; it and the hybrid are chains, also beside a tree
+    chain_cfg = EngineConfig(depth=k, temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed, max_len=ecfg.max_len,
+                             fuse=cfg.fuse, sdpa=cfg.sdpa)
+    floor = None if ngram_only or lk is None else SpecEngine(target, None, chain_cfg, lookup=lk)
+    hyb = SpecEngine(target, drafter, chain_cfg, lookup=hyb_lk) if hyb_lk is not None else None
+    return ecfg, base, spec, floor, hyb
 
 
 def run_eval(cfg: EvalConfig, *, target=None, drafter=None, console=None) -> dict:
@@ -366,16 +546,22 @@ def run_eval(cfg: EvalConfig, *, target=None, drafter=None, console=None) -> dic
     convs = load_prompts(cfg.prompts, max_samples=cfg.max_samples)   # bad files fail before any model loads
     if cfg.store is not None and not os.path.isdir(cfg.store):
         raise DraftportError("no such capture store directory", cfg.store)
+    ngram_only = cfg.drafter == NGRAM and drafter is None             # prompt lookup is the speculative run
+    lk = lookup_for(cfg)                                             # the floor (and --drafter ngram)
+    hyb_lk = lookup_for(cfg, hybrid=True) if cfg.hybrid else None
+    if ngram_only and cfg.store is not None:
+        raise DraftportError("--store gives a trained drafter's offline τ; --drafter ngram has none", cfg.store)
     if target is None:
         from draftport.model.target import load_target
 
         target = load_target(cfg.target, device=cfg.device, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code)
-    if drafter is None:
+    if drafter is None and not ngram_only:
         drafter = load_drafter_for(cfg.drafter, target)
     prompts = encode_prompts(target, convs, cfg.chat_template, cfg.max_len)
     stops = stop_token_ids(target.tokenizer, cfg.chat_template, target.eos_token_ids)
-    ecfg, base, spec = eval_engines(cfg, target, drafter, prompts, N)
+    ecfg, base, spec, floor, hyb = eval_engines(cfg, target, drafter, prompts, N, lk, hyb_lk, ngram_only)
     k = ecfg.depth
+    fl_fig, hy_fig = RunFigures(k, lk), (RunFigures(k, hyb_lk) if hyb is not None else None)
     greedy = cfg.temperature <= 0
     n_base = N + k - 1                               # past N so the offline walk can score the last cycle
 
@@ -389,6 +575,9 @@ def run_eval(cfg: EvalConfig, *, target=None, drafter=None, console=None) -> dic
     warm = prompts[0]
     base.generate(warm, min(n_base, 4), stops)
     spec.generate(warm, min(N, 3 * (k + 1)), stops)
+    for extra in (floor, hyb):
+        if extra is not None:
+            extra.generate(warm, min(N, 3 * (k + 1)), stops)
     if not cfg.no_hf_baseline:
         hf_generate_rate(target, warm, min(N, 4), stops, cfg.temperature, cfg.top_p, cfg.seed)
 
@@ -422,9 +611,13 @@ def run_eval(cfg: EvalConfig, *, target=None, drafter=None, console=None) -> dic
                 hf, _ = hf_generate_rate(target, p, N, stops, cfg.temperature, cfg.top_p, cfg.seed + i)
                 if hf is not None:
                     hf_rates.append(hf)
+            fw, fm = lookup_walk(lk, p, rb.token_ids, k, N, skip_no_match=ecfg.ngram_no_match == "step")
+            fl_fig.add_offline(fw, fm)
+            frow = fl_fig.add(rs if ngram_only else floor.generate(p, N, stops, seed=cfg.seed + i), ref)
+            hrow = hy_fig.add(hyb.generate(p, N, stops, seed=cfg.seed + i), ref) if hyb is not None else None
             w = None
             if store_result is None:
-                w = offline_on_outputs(spec, target, p, rb.token_ids, N)
+                w = fw if ngram_only else offline_on_outputs(spec, target, p, rb.token_ids, N)
                 offline_cycles += w.cycle_accepts
                 offline_positions += w.position_accepts
             rows.append({
@@ -435,7 +628,7 @@ def run_eval(cfg: EvalConfig, *, target=None, drafter=None, console=None) -> dic
                 "offline_accept_len": (sum(w.cycle_accepts) / len(w.cycle_accepts) + 1.0
                                        if w is not None and w.cycle_accepts else None),
                 "draft_ms": _mean_ms(rs.timings.draft_s), "verify_ms": _mean_ms(rs.timings.verify_s),
-                "overhead_ms": _mean_ms(rs.timings.overhead_s)})
+                "overhead_ms": _mean_ms(rs.timings.overhead_s), "floor": frow, "hybrid": hrow})
             bar.advance(task)
 
     online = offline.summarize([t - 1 for t in cycles_all], k)
@@ -444,13 +637,18 @@ def run_eval(cfg: EvalConfig, *, target=None, drafter=None, console=None) -> dic
     else:
         off, off_source = offline.summarize(offline_cycles, k, offline_positions), "baseline-outputs"
     typical = int(statistics.median(len(p) for p in prompts)) + N // 2
-    steps = measure_steps(base, spec, typical, cfg.timing_repeats)
+    steps = (measure_lookup_steps if ngram_only else measure_steps)(base, spec, typical, cfg.timing_repeats)
     draft_ms, verify_ms, overhead_ms = _mean_ms(draft_s), _mean_ms(verify_s), _mean_ms(over_s)
     tok_s = decode_rate(tot["spec_tok"], tot["spec_s"])
     baseline = decode_rate(tot["base_tok"], tot["base_s"])
     over_pred = overhead_ms or 0.0
-    pred = predicted_tok_s(off["accept_len"], steps["verify_ms"], steps["draft_ms_per_step"], k, over_pred)
-    pred_online = predicted_tok_s(online["accept_len"], steps["verify_ms"], steps["draft_ms_per_step"], k, over_pred)
+    verify_pred = steps["verify_ms"]
+    if ngram_only and ecfg.ngram_no_match == "step" and fl_fig.offline_matches:
+        # cycles without a match verify the last token alone: a decode step
+        hit = sum(1 for m in fl_fig.offline_matches if m > 0) / len(fl_fig.offline_matches)
+        verify_pred = hit * steps["verify_ms"] + (1 - hit) * steps["decode_step_ms"]
+    pred = predicted_tok_s(off["accept_len"], verify_pred, steps["draft_ms_per_step"], k, over_pred)
+    pred_online = predicted_tok_s(online["accept_len"], verify_pred, steps["draft_ms_per_step"], k, over_pred)
     depths = None
     if not ecfg.is_tree and off["per_position"]:  # would a shorter chain pay more? (offline τ, isolated steps)
         from draftport import economics
@@ -470,18 +668,23 @@ def run_eval(cfg: EvalConfig, *, target=None, drafter=None, console=None) -> dic
         "draft_ms": draft_ms, "verify_ms": verify_ms, "overhead_ms": overhead_ms,
         "cycle_ms": sum(x for x in (draft_ms, verify_ms, overhead_ms) if x is not None) if draft_ms else None,
         "offline_accept_len": off["accept_len"], "offline_source": off_source,
-        "offline_mode": "tree" if ecfg.is_tree and store_result is None else "chain",
+        "offline_mode": "ngram" if ngram_only else ("tree" if ecfg.is_tree and store_result is None else "chain"),
         "offline_rel_err": rel_err(off["accept_len"], online["accept_len"]),
         "offline_per_position": off["per_position"], "offline_position_accept_len": off.get("position_accept_len"),
         "match_rate": tot["match"] / tot["compared"] if greedy and tot["compared"] else None,
         "exact_match_prompts": tot["exact"] / len(prompts) if greedy else None,
         "num_prompts": len(prompts), "new_tokens": sum(r["new_tokens"] for r in rows),
         "isolated_ms": steps,
+        "floor": {**fl_fig.summary(baseline, greedy), "same_run": ngram_only},
+        "hybrid": hy_fig.summary(baseline, greedy) if hy_fig is not None else None,
         "config": {**asdict(cfg), "engine": {"depth": k, "topk": ecfg.topk, "num_draft_tokens": ecfg.num_draft_tokens,
+                                             "ngram_no_match": ecfg.ngram_no_match,
                                              "max_len": ecfg.max_len, "cuda_graphs": spec.use_graphs,
                                              "fused": spec.fused is not None, "sdpa": ecfg.sdpa,
                                              "sdpa_choices": {"baseline": base.sdpa_choices(),
-                                                              "speculative": spec.sdpa_choices()}},
+                                                              "speculative": spec.sdpa_choices(),
+                                                              **({"floor": floor.sdpa_choices()} if floor else {}),
+                                                              **({"hybrid": hyb.sdpa_choices()} if hyb else {})}},
                    "aux_layers": spec.aux_layers, "device": str(target.device), "dtype": str(target.dtype),
                    "stop_token_ids": stops, "baseline_new_tokens": n_base,
                    "timing": "decode rates: tokens after the first / time after the prefill; warm-up excluded",
@@ -542,7 +745,7 @@ def render_eval(summary: dict, console) -> None:
         ("cycle: draft / verify / overhead ms", f"{_fmt(summary['draft_ms'])} / {_fmt(summary['verify_ms'])} / "
                                                 f"{_fmt(summary['overhead_ms'])}"),
         ("isolated: decode step / verify / draft step / extend ms",
-         f"{iso['decode_step_ms']:.2f} / {iso['verify_ms']:.2f} / {iso['draft_step_ms']:.2f} / {iso['extend_ms']:.2f}"),
+         f"{iso['decode_step_ms']:.2f} / {iso['verify_ms']:.2f} / {_fmt(iso['draft_step_ms'])} / {_fmt(iso['extend_ms'])}"),
         ("greedy match rate vs no speculation", _fmt(summary["match_rate"], "{:.4f}")),
     ]:
         t.add_row(name, value)
@@ -561,6 +764,7 @@ def main(cfg: EvalConfig) -> int:
         print(json.dumps(summary))
     else:
         render_eval(summary, Console())
+        render_floor(summary, Console())
         Console().print(f"wrote {os.path.join(cfg.out, 'summary.json')}")
     return 0
 
@@ -578,11 +782,14 @@ def run_generate(cfg: GenerateConfig, *, target=None, drafter=None) -> dict:
     if not cfg.prompt:
         raise DraftportError("--prompt is empty")
     N = cfg.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
+    ngram_only = cfg.drafter == NGRAM and drafter is None
+    lk = lookup_for(cfg, hybrid=cfg.hybrid)                          # checks the flags before any model loads
+    lk = lk if ngram_only or cfg.hybrid else None
     if target is None:
         from draftport.model.target import load_target
 
         target = load_target(cfg.target, device=cfg.device, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code)
-    if drafter is None and cfg.drafter is not None:
+    if drafter is None and cfg.drafter is not None and not ngram_only:
         drafter = load_drafter_for(cfg.drafter, target)
     ids = encode_prompts(target, [Conversation([{"role": "user", "content": cfg.prompt}])], cfg.chat_template, None)[0]
     stops = stop_token_ids(target.tokenizer, cfg.chat_template, target.eos_token_ids)
@@ -590,7 +797,8 @@ def run_generate(cfg: GenerateConfig, *, target=None, drafter=None) -> dict:
                         temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed, fuse=cfg.fuse,
                         sdpa=cfg.sdpa).resolved()
     ecfg.max_len = len(ids) + N + max(ecfg.num_draft_tokens, ecfg.depth + 1, (ecfg.depth - 1) * ecfg.topk + 1) + 8
-    engine = SpecEngine(target, drafter, ecfg)
+    engine = SpecEngine(target, drafter, ecfg, lookup=lk)
+    speculative = drafter is not None or lk is not None
     if engine.use_graphs:  # capture the graphs first so the reported rate is the decoding's own
         engine.generate(ids, min(N, 3 * (ecfg.depth + 1)), stops)
     r = engine.generate(ids, N, stops)
@@ -598,9 +806,11 @@ def run_generate(cfg: GenerateConfig, *, target=None, drafter=None) -> dict:
     template = resolve_chat_template(target.tokenizer, cfg.chat_template)
     for s in (template.stop_strings if isinstance(template, ChatTemplate) else ()):
         text = text.split(s)[0]  # a base model runs on into the next "User:" turn; the engine stops on ids only
-    return {"text": text, "token_ids": r.token_ids, "accept_len": r.accept_len if drafter is not None else 1.0,
+    return {"text": text, "token_ids": r.token_ids, "accept_len": r.accept_len if speculative else 1.0,
             "tok_s": decode_rate(len(r.token_ids) - 1, r.timings.total_s - r.timings.prefill_s),
-            "cycles": r.cycles, "prompt_tokens": len(ids), "speculative": drafter is not None,
+            "cycles": r.cycles, "prompt_tokens": len(ids), "speculative": speculative,
+            "drafter_kind": "hybrid" if cfg.hybrid else ("ngram" if ngram_only else ("eagle3" if drafter else None)),
+            "by_source": _split_tau(r.sources, r.accept_lens) if lk is not None else None,
             "engine": {"fused": engine.fused is not None, "sdpa": engine.cfg.sdpa, "cuda_graphs": engine.use_graphs,
                        "sdpa_choices": engine.sdpa_choices()}}
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from draftport.errors import DraftportError
 from draftport.safeio import atomic_rename_dir
 
+from draftport.check.spec import TargetSpec
 from draftport.model.formats import FORMATS, load_drafter, save_drafter
 
 
@@ -28,6 +29,37 @@ class ExportConfig:
     json: bool = False                    # one JSON object on stdout
     depth: int = 3                        # chain depth for the launch commands and the speculators config
     include_embedding: bool | None = None  # None: the format decides (see save_drafter)
+    engine: str | None = None             # engine[@version] whose rules judge the export (default: the format's
+    #                                       engines at their newest rules, check/engines.FORMAT_ENGINES)
+    force: bool = False                   # write even what the engine would refuse or mis-load (with a warning)
+
+
+def export_engines(format: str, engine: str | None) -> tuple:
+    """The EngineRefs an export is judged by: the engines `format` is for, at the versions --engine names."""
+    from draftport.check.engines import FORMAT_ENGINES, EngineRef, parse_engines
+
+    named = {r.engine: r for r in parse_engines(engine)} if engine else {}
+    stray = sorted(set(named) - set(FORMAT_ENGINES[format]))
+    if stray:
+        raise DraftportError(f"--engine {engine}: --format {format} is for {', '.join(FORMAT_ENGINES[format])}, "
+                             f"not {', '.join(stray)}")
+    return tuple(named.get(e, EngineRef(e)) for e in FORMAT_ENGINES[format])
+
+
+def export_findings(directory: str, refs, target: TargetSpec | None) -> list[dict]:
+    """What `check` says of the written directory for these engines: export and check share one judge."""
+    from draftport.check.compat import check_drafter, embedding_findings, engine_support, target_findings
+    from draftport.check.inventory import read_inventory
+    from draftport.check.spec import load_drafter_spec
+
+    spec, inv = load_drafter_spec(directory), read_inventory(directory)
+    out = [f for f in check_drafter(spec, inv) if f["severity"] == "error"]
+    for ref in refs:
+        out += engine_support(spec, inv, ref.engine, version=ref.version)
+    if target is not None:
+        out += target_findings(target, refs)
+    out += embedding_findings(spec, inv, spec.target_hidden_size, refs)  # fc's input width is the target's
+    return [f for f in out if f["severity"] == "error"]
 
 
 def launch_commands(out: str, format: str, target_path: str | None, k: int) -> dict[str, str]:
@@ -53,6 +85,9 @@ def export_main(cfg: ExportConfig) -> int:
     out = Path(cfg.out).absolute()
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise DraftportError("exists and is not an empty directory (choose another --out or remove it)", out)
+    from draftport.check.engines import EngineRef
+
+    refs = export_engines(cfg.format, cfg.engine)
     drafter, report = load_drafter(cfg.drafter)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".tmp-{out.name}-{os.getpid()}"
@@ -61,12 +96,30 @@ def export_main(cfg: ExportConfig) -> int:
     try:
         result = save_drafter(drafter, tmp, cfg.format, target=cfg.target, include_embedding=cfg.include_embedding,
                               num_speculative_tokens=cfg.depth)
+        problems = export_findings(str(tmp), refs, result.aux.target)
+        if problems and not cfg.force:
+            p = problems[0]
+            more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+            who = p.get("engine") or "the checkpoint"
+            raise DraftportError(f"not written: {who} would refuse or mis-load this export: {p['message']} "
+                                 f"[{p['code']}]{more}; pass --force to write it anyway", cfg.drafter)
+        # the vLLM layout also loads in SGLang when it has one decoder layer (midlayer. + eagle_config
+        # ids): its SGLang launch line is printed only when SGLang's rules find nothing wrong with it
+        also_sglang = cfg.format == "vllm" and not export_findings(str(tmp), (EngineRef("sglang"),), result.aux.target)
+        for p in problems:
+            result.notes.append(f"written with --force although {p.get('engine') or 'the checkpoint'} would refuse or "
+                                f"mis-load it: {p['message']} [{p['code']}]")
+            print(f"draftport: warning: --force: {p.get('engine') or ''} {p['code']}: {p['message']}", file=sys.stderr)
         atomic_rename_dir(str(tmp), str(out))     # the commit point: all files or none
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     aux = result.aux
     commands = launch_commands(str(out), cfg.format, aux.target_path, cfg.depth)
+    if cfg.format == "vllm" and not also_sglang:
+        commands.pop("sglang", None)
+        result.notes.append("no SGLang launch line: SGLang would refuse or mis-load this layout "
+                            "(`draftport check --engine sglang` says why)")
     payload = {
         "out": str(out), "format": cfg.format, "files": result.files, "num_tensors": result.num_tensors,
         "embedding_included": result.embedding_included,

@@ -379,7 +379,17 @@ def build_config(spec: DrafterSpec, format: str, aux: AuxPlan, dtype: str, num_s
         verifier_arch = [aux.target.architecture] if aux.target else \
             ([spec.target_architecture] if spec.target_architecture else [])
         path = aux.target_path
-        local = os.path.abspath(path) if path and os.path.isdir(path) else None  # never a hub id
+        # speculators (and vLLM through it) load the verifier named here; a null becomes a model
+        # called "None" fetched from the hub. A local target directory is written as an absolute
+        # path; a name the source config itself declared is kept; nothing else is invented.
+        if path and os.path.isdir(path):
+            local = os.path.abspath(path)
+        elif spec.declared_target:
+            local = spec.declared_target
+        else:
+            why = (f"the target {path} is not a model directory" if path else "no target is known")
+            raise DraftportError(f"--format speculators names its verifier (speculators_config.verifier.name_or_path) "
+                                 f"and {why}: pass --target <the target's model directory>", spec.source)
         cfg = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
                "transformer_layer_config": _llama_fields(spec, spec.num_layers),
                "draft_vocab_size": spec.draft_vocab_size, "target_hidden_size": spec.target_hidden_size,
@@ -436,19 +446,18 @@ def save_drafter(drafter: Eagle3Drafter, out_dir: str | os.PathLike, format: str
                              "load too; write into an empty directory", out)
     notes: list[str] = []
     has_real_embedding = drafter.embedding_source in ("target", "checkpoint")
+    aux = plan_aux_ids(spec, target, layers)
     if include_embedding is None:
-        include_embedding = format == "speculators" and has_real_embedding
+        # a drafter of another width than the states it reads (the target's) cannot share the
+        # target's embedding in either engine (check/engines.embedding_problem): it travels with the drafter
+        include_embedding = (format == "speculators" or spec.hidden_size != spec.target_hidden_size) and has_real_embedding
         if format == "speculators" and not has_real_embedding:
             notes.append("embed_tokens not included (the drafter holds no target embedding): vLLM takes the "
                          "target's; the speculators package needs its verifier weights loaded")
     elif include_embedding and drafter.embedding_source == "unset":
         raise DraftportError("include_embedding asked, but the drafter has no embedding (set_embedding first)")
-    if format == "sglang" and (spec.norm_before_residual or spec.norm_before_fc):
-        notes.append("norm_before_residual / norm_before_fc are speculators options: check that your SGLang "
-                     "release reads them, or export --format vllm")
     if format in ("sglang", "vllm") and spec.num_aux_layers != 3:
         notes.append(f"{spec.num_aux_layers} aux layers: SGLang's and vLLM's Llama EAGLE-3 fc reads exactly 3")
-    aux = plan_aux_ids(spec, target, layers)
     notes = aux.notes + notes
     dtype = _TORCH_TO_CONFIG.get(drafter.fc.weight.dtype, "float32")
     cfg = build_config(spec, format, aux, dtype, num_speculative_tokens)

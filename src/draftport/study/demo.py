@@ -171,6 +171,27 @@ def _fmt(v, f="{:.2f}"):
     return "–" if v is None else f.format(v)
 
 
+def floor_tables(ev: dict) -> list:
+    """The drafter beside the training-free floor (prompt lookup on the same prompts, same run) and the
+    hybrid when it ran: an eval summary's `floor` / `hybrid` as report tables (none for an older summary)."""
+    from draftport.study.report import Table
+
+    fl = ev.get("floor")
+    if not fl:
+        return []
+    runs = [("this drafter", ev), (f"prompt lookup (n {fl['config']['ngram_min']}–{fl['config']['ngram_max']})", fl)]
+    if ev.get("hybrid"):
+        runs.append((f"hybrid (n-gram when its match ≥ {ev['hybrid']['config']['min_match']})", ev["hybrid"]))
+    rows = [[name, r.get("accept_len"), " ".join(f"{x:.2f}" for x in r.get("per_position_accept") or []),
+             r.get("tok_s"), r.get("speedup")] for name, r in runs]
+    by = fl.get("by_match_len") or {}
+    return [Table(["drafts", "τ", "per-position acceptance", "tok/s", "speedup"], rows,
+                  caption=f"beside the training-free floor, {fl['config']['depth']} drafts a cycle; prompt lookup's τ "
+                          "by match length: " + (", ".join(f"{m}: {r['accept_len']:.2f} ({r['cycles']} cycles)"
+                                                          for m, r in by.items()) or "–")
+                          + f"; its offline τ on the no-speculation outputs {_fmt(fl.get('offline_accept_len'))}")]
+
+
 def demo_report(s: dict, out: str) -> tuple[str, str]:
     """report.md + report.html from the demo's summary; every figure comes from this run's stages."""
     from draftport.study import plots
@@ -183,7 +204,9 @@ def demo_report(s: dict, out: str) -> tuple[str, str]:
         f"tok/s against {_fmt(ev.get('baseline_tok_s'), '{:.1f}')} tok/s without speculation "
         f"(speedup {_fmt(ev.get('speedup'))}×), τ = {_fmt(ev.get('accept_len'))} tokens per cycle on "
         f"{s['eval_prompts']} {s['prompts']} prompts; predicted from the measured draft and verify times and the "
-        f"offline τ: {_fmt(ev.get('predicted_tok_s'), '{:.1f}')} tok/s.",
+        f"offline τ: {_fmt(ev.get('predicted_tok_s'), '{:.1f}')} tok/s."
+        + (f" Training-free prompt lookup on the same prompts: τ {_fmt(ev['floor'].get('accept_len'))}, "
+           f"{_fmt(ev['floor'].get('tok_s'), '{:.1f}')} tok/s." if ev.get("floor") else ""),
         f"The drafter learned from {cap['num_samples']} {s['data']} conversations"
         + (" whose answers the target regenerated itself" if s["regenerate"] else "")
         + f" ({cap['num_tokens']:,} tokens), {tr.get('steps')} training steps.",
@@ -239,6 +262,7 @@ def demo_report(s: dict, out: str) -> tuple[str, str]:
         ["τ", "tok/s", "baseline tok/s", "speedup", "predicted tok/s", "offline τ", "cycle ms", "verify ms", "draft ms"],
         [[ev.get(k) for k in ("accept_len", "tok_s", "baseline_tok_s", "speedup", "predicted_tok_s",
                               "offline_accept_len", "cycle_ms", "verify_ms", "draft_ms")]])])
+    ev_sec.tables += floor_tables(ev)
     if ev.get("per_position_accept") and ev.get("accept_hist"):
         png = plots.plot_acceptance(ev["per_position_accept"], ev["accept_hist"], os.path.join(out, "acceptance.png"),
                                     accept_len=ev.get("accept_len"))

@@ -169,7 +169,10 @@ def _eval_fields(s: dict) -> dict:
     """The eval summary figures a study row carries (names as evaluate writes them)."""
     keys = ("accept_len", "tok_s", "baseline_tok_s", "speedup", "predicted_tok_s", "offline_accept_len",
             "per_position_accept", "cycle_ms", "verify_ms", "draft_ms", "overhead_ms")
-    return {k: s.get(k) for k in keys}
+    out = {k: s.get(k) for k in keys}
+    floor = s.get("floor") or {}                 # prompt lookup on the same prompts, same run (issue 20)
+    out.update(floor_accept_len=floor.get("accept_len"), floor_tok_s=floor.get("tok_s"))
+    return out
 
 
 def build_rows(plugin: dict, runs: list[dict]) -> list[dict]:
@@ -345,16 +348,19 @@ def study_report(summary: dict, out: str) -> tuple[str, str]:
     if be:
         ref["break-even τ"] = sum(be) / len(be)
     scale_png = plots.plot_accept_vs_data(sizes, series, os.path.join(out, "accept_vs_data.png"), reference=ref)
-    table_cols = ["drafter", "samples", "steps", "τ offline", "τ online", "tok/s", "baseline tok/s", "speedup",
-                  "cycle ms", "verify ms", "break-even τ", "pays", "verify ms to pay"]
+    table_cols = ["drafter", "samples", "steps", "τ offline", "τ online", "τ prompt lookup", "tok/s",
+                  "tok/s prompt lookup", "baseline tok/s", "speedup", "cycle ms", "verify ms", "break-even τ", "pays",
+                  "verify ms to pay"]
     table_rows = [[r["drafter"], r["samples"], r.get("steps"), r.get("train_accept_len"), r.get("accept_len"),
-                   r.get("tok_s"), r.get("baseline_tok_s"), r.get("speedup"), r.get("cycle_ms"), r.get("verify_ms"),
+                   r.get("floor_accept_len"), r.get("tok_s"), r.get("floor_tok_s"), r.get("baseline_tok_s"),
+                   r.get("speedup"), r.get("cycle_ms"), r.get("verify_ms"),
                    r.get("break_even_accept_len"), "yes" if r.get("pays_measured") else "no",
                    r.get("verify_ms_to_pay")] for r in rows]
     secs.append(Section("Data scaling: transfer against scratch", paragraphs=[
         "τ offline: the trainer's validation estimate (plug-in: the probe's). τ online, tok/s: speculative "
         "decoding on B with a chain of depth " + str(summary.get("depth", 3)) + ", greedy, against decoding "
-        "without speculation on the same prompts."],
+        "without speculation on the same prompts; τ / tok/s prompt lookup: the training-free floor (the last 1–3 "
+        "tokens matched earlier in the context, as many drafts) on the same prompts in the same eval."],
         tables=[RTable(table_cols, table_rows)], images=[Image(os.path.basename(scale_png), "τ vs training samples")]))
 
     pos = {f"{r['drafter']}" + (f"-{r['samples']}" if r["samples"] else ""): r["per_position_accept"]

@@ -31,6 +31,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, ProgressColumn, TextColumn, TimeRemainingColumn
 from rich.text import Text
 
+from draftport.check.layers import validate_aux_ids
 from draftport.errors import DraftportError, bad_input
 from draftport.safeio import atomic_write_json, read_json
 from draftport.data.store import MANIFEST, StoreWriter, bytes_per_token, clear_store, identity_mismatch
@@ -305,10 +306,12 @@ def run_capture(cfg: CaptureConfig, target=None, console: Console | None = None)
                 os.unlink(os.path.join(out, name))
     _refuse_if_different(out, request)
 
+    if cfg.aux_layers is not None:  # before the (slow) target load: engines need them unique, ascending
+        validate_aux_ids(cfg.aux_layers, None, "--aux-layers")
     if target is None:
         with console.status(f"loading target {cfg.target}"):
             target, _ = resolve_target(cfg)
-    aux_layers = [int(a) for a in target.aux_layers]
+    aux_layers = list(validate_aux_ids(target.aux_layers, cfg.target, "the target's aux layers"))
     # a target passed in by a caller decides the compute dtype, whatever the flags said
     request["dtype"] = {torch.bfloat16: "bf16", torch.float32: "fp32"}.get(target.dtype, str(target.dtype))
     max_len = request["max_len"]

@@ -245,6 +245,10 @@ def _round(obj):
 def run_train(cfg: TrainConfig, target=None, console=None) -> dict:
     """The whole verb; returns the summary (also written to <out>/summary.json). `target`: an already
     loaded HFTarget to use instead of loading --target (its name is still what the run records)."""
+    if cfg.aux_layers is not None:  # engines feed the fc unique layers in ascending order
+        from draftport.check.layers import validate_aux_ids
+
+        validate_aux_ids(cfg.aux_layers, None, "--aux-layers")
     info = parallel.init_distributed(cfg.device)
     try:
         return _run(cfg, info, target, console)

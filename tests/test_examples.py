@@ -1,0 +1,236 @@
+"""The example scripts that make targets: the shared fine-tuning loop, the chat target and target B (tiny, CPU)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+GEMMA_SPECIALS = ["<start_of_turn>", "<end_of_turn>"]
+
+CONVS = [
+    {"messages": [{"role": "system", "content": "Be brief."},
+                  {"role": "user", "content": "Hello, how are you today?"},
+                  {"role": "assistant", "content": "I am fine, thank you."},
+                  {"role": "user", "content": "What is the capital of France?"},
+                  {"role": "assistant", "content": "The capital of France is Paris."}]},
+    {"conversations": [{"from": "human", "value": "Write a short story about a robot."},
+                       {"from": "gpt", "value": "Once upon a time there was a small robot that lived by the sea."}]},
+    {"messages": [{"role": "user", "content": "Can you explain how attention works?"},
+                  {"role": "assistant", "content": "Each token builds a query and compares it with the keys."}]},
+    {"messages": [{"role": "user", "content": "def add(a, b):"},
+                  {"role": "assistant", "content": "```\ndef add(a, b):\n    return a + b\n```"}]},
+]
+
+
+@pytest.fixture
+def examples_path(monkeypatch):
+    monkeypatch.syspath_prepend(str(EXAMPLES))  # what `python examples/<script>.py` does for the scripts
+
+
+def gemma_tokenizer():
+    from draftport.model.target import tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": GEMMA_SPECIALS})  # one token each, as in Gemma's vocab
+    return tok
+
+
+@pytest.fixture
+def tiny_gemma_dir(tmp_path):
+    """A tiny random Gemma-3 saved as an HF directory, its tokenizer with Gemma's turn markers, no template."""
+    from draftport.model.target import tiny_target
+
+    tok = gemma_tokenizer()
+    t = tiny_target("gemma3", seed=0, vocab_size=len(tok), num_hidden_layers=4)
+    path = tmp_path / "base"
+    t.model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+@pytest.fixture
+def convs_file(tmp_path):
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps(c) + "\n" for c in CONVS))
+    return path
+
+
+@pytest.mark.parametrize("name", ["gemma", "llama3", "qwen", "kimi-k2"])
+def test_jinja_template_renders_like_the_named_one(examples_path, name):
+    from draftport.data.chat import CHAT_TEMPLATES, encode_prompt, resolve_chat_template, tokenize_conversation
+    from draftport.data.conversations import Conversation
+    from make_chat_target import jinja_chat_template
+
+    conv = Conversation(messages=[dict(m) for m in CONVS[0]["messages"]])
+    named = gemma_tokenizer()
+    own = gemma_tokenizer()
+    own.chat_template = jinja_chat_template(CHAT_TEMPLATES[name])
+    assert resolve_chat_template(own).name == "tokenizer"
+    ids_a, mask_a = tokenize_conversation(named, conv, name)
+    ids_b, mask_b = tokenize_conversation(own, conv, None)
+    assert ids_a.tolist() == ids_b.tolist() and mask_a.tolist() == mask_b.tolist()
+    assert encode_prompt(named, conv.messages[:4], name) == encode_prompt(own, conv.messages[:4], None)
+
+
+def test_collated_labels_are_the_model_turns_only(examples_path):
+    from draftport.data.chat import CHAT_TEMPLATES
+    from draftport.data.conversations import Conversation
+    from sft import collate, tokenize_examples
+
+    tok = gemma_tokenizer()
+    convs = [Conversation(messages=[dict(m) for m in c["messages"]]) for c in (CONVS[0], CONVS[2])]
+    ex = tokenize_examples(tok, convs, CHAT_TEMPLATES["gemma"], max_len=512)
+    ids, labels, attn = collate(ex.pairs, tok.pad_token_id)
+    for b, conv in enumerate(convs):
+        trained = labels[b][labels[b] != -100].tolist()
+        want = "".join(m["content"] + "<end_of_turn>" for m in conv.messages if m["role"] == "assistant")
+        assert tok.decode(trained) == want
+        # every other real token is the prompt side: user turns, system text, markers and the model header
+        rest = tok.decode(ids[b][(labels[b] == -100) & (attn[b] == 1)].tolist())
+        turns = sum(m["role"] == "assistant" for m in conv.messages)
+        assert rest.count("<start_of_turn>model\n") == turns and rest.count("<start_of_turn>user\n") == turns
+        assert not any(m["content"] in rest for m in conv.messages if m["role"] == "assistant")
+    assert int(attn[1].sum()) < ids.shape[1] and (labels[1][attn[1] == 0] == -100).all()  # pads never trained
+
+
+def test_make_chat_target_tiny(examples_path, tiny_gemma_dir, convs_file, tmp_path):
+    from draftport.data.chat import encode_prompt, resolve_chat_template, stop_token_ids
+    from draftport.safeio import sha256_file
+    from draftport.model.target import load_target
+    from make_chat_target import main
+
+    out = tmp_path / "chat"
+    argv = ["--target-a", str(tiny_gemma_dir), "--data", str(convs_file), "--steps", "4", "--batch-size", "2",
+            "--max-len", "64", "--lr", "1e-3", "--device", "cpu"]
+    assert main(argv + ["--out", str(out)]) == 0
+    rec = json.loads((out / "make_chat_target.json").read_text())
+    assert rec["weights_sha256"] == sha256_file(out / "model.safetensors")
+    assert len(rec["losses"]) == 4 and rec["loss_last"] == pytest.approx(rec["losses"][-1], abs=1e-4)
+    assert rec["loss_last_mean"] < rec["loss_first_mean"] and rec["examples"] == len(CONVS)
+    assert rec["recipe"]["lr"] == 1e-3 and rec["recipe"]["chat_template"] == "gemma"
+    assert rec["weights_sha256"] != sha256_file(tiny_gemma_dir / "model.safetensors")  # it did train
+
+    t = load_target(str(out), device="cpu", dtype="fp32")
+    tok = t.tokenizer
+    eot = tok.convert_tokens_to_ids("<end_of_turn>")
+    assert resolve_chat_template(tok).name == "tokenizer"  # auto-detected: no --chat-template needed
+    for template in (None, "gemma"):
+        prompt = encode_prompt(tok, [{"role": "user", "content": "Hello"}], template)
+        assert tok.decode(prompt).endswith("<start_of_turn>model\n")
+        assert eot in stop_token_ids(tok, template, t.eos_token_ids)  # eval and regeneration stop at the turn's end
+    assert eot in t.eos_token_ids
+
+    # seeded, fixed order: on the CPU in fp32 the same command gives the same weights
+    again = tmp_path / "again"
+    assert main(argv + ["--out", str(again)]) == 0
+    assert json.loads((again / "make_chat_target.json").read_text())["weights_sha256"] == rec["weights_sha256"]
+
+
+def test_make_chat_target_bad_input(examples_path, tiny_gemma_dir, tmp_path, capsys):
+    from draftport.model.target import tiny_target
+    from make_chat_target import main
+
+    assert main(["--target-a", str(tmp_path / "nope"), "--data", "x", "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "nope" in err[0]
+    plain = tmp_path / "llama"  # a tokenizer without <end_of_turn>: refused before any training
+    t = tiny_target("llama", num_hidden_layers=4)
+    t.model.save_pretrained(plain)
+    t.tokenizer.save_pretrained(plain)
+    assert main(["--target-a", str(plain), "--data", "x", "--out", str(tmp_path / "o")]) == 2
+    assert "<end_of_turn>" in capsys.readouterr().err
+
+
+def test_make_target_b_runs_on_the_shared_loop(examples_path, tmp_path, convs_file):
+    from draftport.model.target import tiny_target
+    from make_target_b import main
+
+    a = tmp_path / "a"
+    t = tiny_target("llama", num_hidden_layers=4)
+    t.model.save_pretrained(a)
+    t.tokenizer.save_pretrained(a)
+    out = tmp_path / "b"
+    assert main(["--target-a", str(a), "--data", str(convs_file), "--out", str(out), "--steps", "2",
+                 "--batch-size", "2", "--max-len", "64", "--skip", "0", "--device", "cpu"]) == 0
+    rec = json.loads((out / "make_target_b.json").read_text())
+    assert rec["num_convs"] == 1 and rec["steps"] == 2  # the one code conversation of CONVS
+    assert (out / "model.safetensors").is_file() and rec["loss_first"] > 0
+    no_code = tmp_path / "no-code.jsonl"
+    no_code.write_text("".join(json.dumps(c) + "\n" for c in CONVS[:3]))
+    assert main(["--target-a", str(a), "--data", str(no_code), "--out", str(tmp_path / "b2"), "--skip", "0"]) == 2
+
+
+def dry_run(tmp_path, stages: str, **env) -> list[str]:
+    """The commands examples/gpu_floor.sh would run for `stages` (DRY_RUN prints them, runs nothing)."""
+    import os
+    import subprocess
+
+    full = {**os.environ, "DRY_RUN": "1", "OUT": str(tmp_path / "floor"), "STAGES": stages, **env}
+    res = subprocess.run(["bash", str(EXAMPLES / "gpu_floor.sh")], env=full, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    return [line[2:] for line in res.stdout.splitlines() if line.startswith("+ ")]
+
+
+def test_gpu_floor_dry_run_uses_each_targets_template(tmp_path):
+    cmds = dry_run(tmp_path, "all", DRAFTPORT_GGUF="/m/gemma.gguf")
+    chat = str(tmp_path / "floor" / "chat-target")
+    assert len(cmds) == 1 + 1 + 2 + 2 + 4 + 1  # data, chat, 2 captures, 2 trains, 2 targets × 2 depths, table
+    assert "make_chat_target.py --target-a /m/gemma.gguf" in cmds[1] and "--steps 700 --batch-size 16" in cmds[1]
+    for verb in ("capture", "eval"):
+        base = [c for c in cmds if f"draftport {verb} --target /m/gemma.gguf " in c]
+        on_chat = [c for c in cmds if f"draftport {verb} --target {chat} " in c]
+        assert base and on_chat and all("--chat-template plain" in c for c in base)
+        assert all("--chat-template gemma" in c for c in on_chat)
+    evals = [c for c in cmds if "draftport eval" in c]
+    assert sorted(c.split("--depth ")[1].split()[0] for c in evals) == ["1", "1", "3", "3"]
+    assert all("--hybrid --ngram-max 3 --ngram-min 1 " in c and "--max-samples 10 --max-new-tokens 200" in c
+               for c in evals)
+    assert not any("--ngram-min-match" in c for c in evals)
+
+
+def test_gpu_floor_stage_selection(tmp_path):
+    cmds = dry_run(tmp_path, "chat,capture")
+    assert len(cmds) == 3 and "make_chat_target.py" in cmds[0] and all("draftport capture" in c for c in cmds[1:])
+    evals = dry_run(tmp_path, "eval-chat", HYBRID="0", DEPTHS="3", NGRAM_MIN_MATCH="2")
+    assert len(evals) == 1 and "--hybrid" not in evals[0] and "--depth 3" in evals[0]
+    assert "--ngram-min-match 2 " in dry_run(tmp_path, "eval-base", DEPTHS="1", NGRAM_MIN_MATCH="2")[0]
+    (tmp_path / "floor" / "eval-base-d1").mkdir(parents=True)
+    (tmp_path / "floor" / "eval-base-d1" / "summary.json").write_text("{}")
+    assert len(dry_run(tmp_path, "eval-base")) == 1  # the finished depth is skipped: a rerun resumes
+    import subprocess
+
+    bad = subprocess.run(["bash", str(EXAMPLES / "gpu_floor.sh"), "trian"], capture_output=True, text=True,
+                         env={"PATH": "/usr/bin:/bin", "DRY_RUN": "1", "OUT": str(tmp_path / "x")})
+    assert bad.returncode == 2 and "unknown stage 'trian'" in bad.stderr
+
+
+def test_floor_table(examples_path, tmp_path, capsys):
+    from floor_table import main
+
+    def put(name, obj):
+        (tmp_path / name).mkdir(parents=True, exist_ok=True)
+        (tmp_path / name / "summary.json").write_text(json.dumps(obj))
+
+    put("eval-chat-d3", {"accept_len": 1.5, "tok_s": 600.0, "baseline_tok_s": 500.0, "speedup": 1.2,
+                         "per_position_accept": [0.3, 0.1, 0.05],
+                         "floor": {"accept_len": 1.35, "tok_s": 550.0, "per_position_accept": [0.2, 0.1, 0.05]},
+                         "hybrid": {"accept_len": 1.7, "tok_s": 650.0, "speedup": 1.3}})
+    put("eval-base-d1", {"accept_len": 1.2, "tok_s": 520.0, "baseline_tok_s": 500.0, "speedup": 1.04})
+    put("capture-chat", {"num_samples": 1970, "num_tokens": 400000})
+    put("train-chat", {"steps": 1500, "val_accept_len": 2.0})
+    (tmp_path / "chat-target").mkdir()
+    (tmp_path / "chat-target" / "make_chat_target.json").write_text(
+        json.dumps({"loss_first": 1.83, "loss_last_mean": 1.25, "loss_window": 50}))
+    assert main([str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[2].startswith("| base | 1 | 500.0 | 1.200 | – | 520.0 (1.04×) | – | – | – | – |")
+    assert lines[3] == ("| chat | 3 | 500.0 | 1.500 | 0.30/0.10/0.05 | 600.0 (1.20×) | 1.350 | 0.20/0.10/0.05 | "
+                        "550.0 (1.10×) | 1.700 | – | 650.0 (1.30×) |")  # the floor's speed-up from the run's baseline
+    assert "| chat | 1,970 | 400,000 | 1,500 | 2.000 | 1.83 → 1.25 (N = 50) |" in lines
+    assert main([str(tmp_path / "eval-base-d1")]) == 2  # a folder without runs: one line, exit 2
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
