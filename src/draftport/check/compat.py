@@ -22,7 +22,7 @@ import os
 from dataclasses import dataclass
 
 from draftport.check.engines import (ENGINE_NAMES, ENGINES, EngineRef, aux_count_problem, drafter_problems,
-                               embedding_problem, extra_layer_form, parse_engines, sglang_rule_note, target_support)
+                                     embedding_problem, extra_layer_form, parse_engines, sglang_rule_note, target_support)
 from draftport.check.engines import sglang_adds_one as _sglang_adds_one
 from draftport.errors import DraftportError, bad_input
 from draftport.check.layers import default_aux_layers, validate_aux_ids
