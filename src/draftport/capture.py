@@ -294,6 +294,8 @@ def run_capture(cfg: CaptureConfig, target=None, console: Console | None = None)
     out = cfg.out
     if os.path.exists(out) and not os.path.isdir(out):
         raise bad_input(out, "--out exists and is not a directory")
+    from draftport.data import check_data_source
+    check_data_source(cfg.data)  # bad data fails now: before the folder exists and the target loads
     os.makedirs(out, exist_ok=True)
     request = request_config(cfg)
     if cfg.restart:

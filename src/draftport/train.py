@@ -620,6 +620,8 @@ def _run(cfg: TrainConfig, info, target, console) -> dict:
     out = parallel.broadcast_json(os.path.abspath(cfg.out), info)  # one directory even without --out
     if os.path.exists(out) and not os.path.isdir(out):
         raise bad_input(out, "--out exists and is not a directory")
+    from draftport.data import check_data_source
+    check_data_source(cfg.data)  # bad data fails now: before the folder, its run.json and the target's load
     os.makedirs(out, exist_ok=True)
     dev = info.device
     dtype = cfg.dtype or ("bf16" if dev.type == "cuda" else "fp32")
@@ -846,7 +848,8 @@ def _render(console, s: dict) -> None:
     fmt = lambda v: "–" if v is None else f"{v:.3f}"  # noqa: E731
     t.add_row("validation loss", fmt(iv.get("val_loss")), fmt(s.get("val_loss")))
     t.add_row("simulated τ (depth 3)", fmt(iv.get("val_accept_len")), fmt(s.get("val_accept_len")))
-    t.add_row(f"simulated τ (depth {s['ttt_steps']})", fmt(iv.get("val_accept_len_k")), fmt(s.get("val_accept_len_k")))
+    if s["ttt_steps"] != 3:  # at --ttt-steps 3 this is the depth-3 row above
+        t.add_row(f"simulated τ (depth {s['ttt_steps']})", fmt(iv.get("val_accept_len_k")), fmt(s.get("val_accept_len_k")))
     acc0, acc1 = (iv.get("val_acc") or [None])[0], (s.get("val_acc") or [None])[0]
     t.add_row("step-0 accuracy", fmt(acc0), fmt(acc1))
     console.print(t)
