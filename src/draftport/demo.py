@@ -305,8 +305,9 @@ def transfer_section(study_path: str = GPU_STUDY):
     from draftport.safeio import read_json
 
     st = read_json(study_path)
-    rows = [[r["drafter"], r["samples"], r.get("offline_accept_len"), r.get("accept_len"), r.get("tok_s"),
-             r.get("baseline_tok_s"), r.get("speedup")] for r in st["rows"]]
+    rate = lambda v: None if v is None else round(v)  # noqa: E731  (tok/s: whole tokens are precision enough)
+    rows = [[r["drafter"], r["samples"], r.get("offline_accept_len"), r.get("accept_len"), rate(r.get("tok_s")),
+             rate(r.get("baseline_tok_s")), r.get("speedup")] for r in st["rows"]]
     sim = [[f"layer {k}", v.get("cosine_mean"), v.get("cka"), v.get("norm_ratio")] for k, v in st["similarity"].items()]
     return Section("6. Will it transfer? (not measured in this run: the committed GPU study)", paragraphs=[
         "This run does not measure transfer: that needs a second target that is a real derivative of "
@@ -320,8 +321,9 @@ def transfer_section(study_path: str = GPU_STUDY):
         "--target-a A --target-b B --data sharegpt --drafter A_DRAFTER (similarity and plug-in τ), or draftport "
         "study (the whole comparison)."],
         tables=[Table(["drafter on B (GPU study)", "samples", "τ offline", "τ online", "tok/s", "no speculation",
-                       "speedup"], rows),
-                Table(["aux layer (GPU study)", "cosine A vs B", "linear CKA", "norm ratio B/A"], sim)])
+                       "speedup"], rows, float_format="{:.2f}"),
+                Table(["aux layer (GPU study)", "cosine A vs B", "linear CKA", "norm ratio B/A"], sim,
+                      float_format="{:.4f}")])
 
 
 def demo_report(s: dict, out: str) -> tuple[str, str]:
@@ -415,13 +417,13 @@ def demo_report(s: dict, out: str) -> tuple[str, str]:
     ev_sec.tables.append(Table(["prediction", "from", "predicted", "measured", "error"],
                                prediction_errors(ev, s.get("depth") or SEED["depth"]),
                                caption="the prediction's inputs checked one by one: a cycle-time error and a τ error "
-                                       "can cancel in the tok/s figure"))
+                                       "can cancel in the tok/s figure", float_format="{:.4g}"))
     for r in ev_sec.tables[-1].rows:  # errors as signed percentages
         r[4] = None if r[4] is None else f"{r[4]:+.1%}"
     t_rows, t_notes = timing_table(ev)
     ev_sec.tables.append(Table(["timing (repeated)", "median", "min", "max", "repeats"], t_rows,
                                caption="decode rates per prompt (each prompt one repeat) and isolated step times "
-                                       "over repeated calls"))
+                                       "over repeated calls", float_format="{:.4g}"))
     ev_sec.paragraphs += t_notes
     if ev.get("per_position_accept") and ev.get("accept_hist"):
         png = plots.plot_acceptance(ev["per_position_accept"], ev["accept_hist"], os.path.join(out, "acceptance.png"),
