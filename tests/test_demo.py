@@ -87,6 +87,11 @@ def test_demo_end_to_end_on_a_tiny_target(tmp_path):
     assert f"τ = {s['accept_len']:.2f}" in md and f"{s['tok_s']:.1f} tok/s" in md
     for png in ("acceptance.png", "tok_s.png", "tok_s_vs_verify.png"):
         assert f"]({png})" in md and os.path.getsize(tmp_path / "demo" / png) > 1000
+    # the new sections, from this run's own measurements: the machine, the timings' spread per prompt
+    assert f"| cores | {s['machine']['cores']} |" in md and "6. Will it transfer?" in md
+    assert len(s["eval"]["per_prompt"]["tok_s"]) == cfg.eval_prompts
+    assert "| tok/s, speculative (per prompt) |" in md and "| verify ms (isolated) |" in md
+    assert set(s["eval"]["isolated_ms"]["range_ms"]) == {"decode_step_ms", "verify_ms", "draft_step_ms"}
 
     # a rerun resumes: every stage is cached, nothing is recomputed, the figures are the same
     again = run_demo(cfg)
