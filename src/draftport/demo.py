@@ -395,8 +395,8 @@ def demo_report(s: dict, out: str) -> tuple[str, str]:
     tr_sec = Section("4. Training the drafter", tables=[Table(
         ["steps", "final loss", "simulated τ, held-out validation samples", "seconds"],
         [[tr.get("steps"), tr.get("final_loss"), tr.get("val_accept_len"), s["stage_timings"]["train"]["seconds"]]])],
-        paragraphs=[f"The simulated τ is computed by training from the drafter's per-step accuracy on the "
-                    f"{_fmt(tr.get('num_val'), '{}')} captured samples held out from training (teacher-forced, depth "
+        paragraphs=[f"train simulates this τ from the drafter's per-step accuracy on the captured samples held "
+                    f"out from training ({_fmt(tr.get('num_val'), '{}')} here; teacher-forced, depth "
                     f"{min(3, tr.get('ttt_steps') or 3)}); with this few samples it is a rough figure."])
     if len(tr.get("loss_curve") or []) >= 2:
         png = plots.plot_loss_curve([p[0] for p in tr["loss_curve"]], [p[1] for p in tr["loss_curve"]],
@@ -408,7 +408,7 @@ def demo_report(s: dict, out: str) -> tuple[str, str]:
         ["τ online", "tok/s", "baseline tok/s", "speedup", "predicted tok/s", "offline τ, all captured samples",
          "cycle ms", "verify ms", "draft ms"],
         [[ev.get(k) for k in ("accept_len", "tok_s", "baseline_tok_s", "speedup", "predicted_tok_s",
-                              "offline_accept_len", "cycle_ms", "verify_ms", "draft_ms")]])])
+                              "offline_accept_len", "cycle_ms", "verify_ms", "draft_ms")]], float_format="{:.4g}")])
     ev_sec.paragraphs.append(
         "Two offline τ figures appear in this report, from different samples: section 4's is simulated by "
         "training on the held-out validation samples; this section's is a greedy walk of the drafter over every "
