@@ -10,10 +10,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
+import os
 import sys
 
 from draftport.errors import DraftportError, is_disk_full
-from draftport.safeio import default_out
+from draftport.safeio import FAILED_FILE, clean_failed_out, default_out
 
 # verb -> (module, config dataclass, main function). The config's fields carry the same names as the
 # argparse dests below; `config_from_args` copies the ones the dataclass declares.
@@ -104,14 +105,24 @@ def _add_lookup(p: argparse.ArgumentParser) -> None:
                    help="--hybrid: shortest match whose n-gram draft is used (default 2)")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with the house error format: one line naming the problem and where to look, exit 2
+    (argparse's own prints the whole usage block first)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="draftport",
         description="EAGLE-3 drafters: economics, compatibility, capture, training, speculative decoding, export.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks")
-    sub = parser.add_subparsers(dest="verb", metavar="VERB")
+    sub = parser.add_subparsers(dest="verb", metavar="VERB", parser_class=_Parser)
 
-    p = sub.add_parser("check", help="can this drafter replace another / does it fit a target")
+    p = sub.add_parser("check", help="can this drafter replace another / does it fit a target",
+                       description="Exit status: 0 drop-in / warm-start / compatible, 1 partial, incompatible or "
+                                   "invalid, 2 bad input.")
     p.add_argument("drafter", help="drafter dir or config.json")
     p.add_argument("other", nargs="?", default=None, help="a second drafter to compare against")
     p.add_argument("--target", default=None, help="target dir, config.json or .gguf")
@@ -119,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="whose loading and aux-id rules to apply: sglang, vllm or both (default); a version picks "
                         "that release's rules, e.g. sglang@0.5.4, vllm@0.10.1, or sglang@main for what only the "
                         "engine's main branch has; comma-separate to name both (default: the newest released rules)")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 
     p = sub.add_parser("economics", help="will speculation pay: tok/s, break-even and required acceptance")
     p.add_argument("--cycle-ms", type=float, default=None, help="measured time of one draft+verify cycle")
@@ -130,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--accept-len", type=float, default=None, help="measured τ (accepted drafts + 1 per cycle)")
     p.add_argument("--baseline-tok-s", type=float, default=None, help="no-speculation tok/s")
     p.add_argument("--target-tok-s", type=float, default=None, help="goal tok/s")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 
     p = sub.add_parser("capture", help="target hidden states → a sharded store")
     _add_common(p, target=True, data=True, out=True, samples=True, device=True, seed=True, template=True)
@@ -150,13 +161,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--init-from", default=None, help="warm start from a drafter (any supported layout)")
     p.add_argument("--remap-vocab", action="store_true", help="with --init-from: build a new vocab mapping and remap lm_head")
     p.add_argument("--restart", action="store_true", help="start over instead of resuming")
-    p.add_argument("--steps", type=int, default=None)
-    p.add_argument("--ttt-steps", type=int, default=7)
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps (default one epoch)")
+    p.add_argument("--ttt-steps", type=int, default=7, help="training-time-test unroll: draft steps trained per position")
     p.add_argument("--draft-vocab-size", type=int, default=None, help="default min(32000, V)")
     p.add_argument("--lm-head-from-target", action="store_true",
                    help="from scratch: the drafter's lm_head starts as the target's head rows (same hidden size)")
-    p.add_argument("--aux-layers", type=_aux_list, default=None)
-    p.add_argument("--lr", type=float, default=None)
+    p.add_argument("--aux-layers", type=_aux_list, default=None,
+                   help="'input of decoder layer i' ids fed to the drafter (default: the store's, else 2,L//2,L-3)")
+    p.add_argument("--lr", type=float, default=None, help="peak learning rate (default 1e-4, 5e-5 with --init-from)")
     p.add_argument("--val-every", type=int, default=None)
     p.add_argument("--save-every", type=int, default=None)
     p.add_argument("--keep-last", type=int, default=None)
@@ -171,7 +183,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("eval", help="online τ and tok/s vs no speculation")
     _add_common(p, target=True, out=True, samples=True, device=True, seed=True, template=True, gen=True)
-    p.add_argument("--drafter", required=True, help="drafter dir, or 'ngram' (prompt lookup, no checkpoint)")
+    p.add_argument("--drafter", required=True,
+                   help="drafter dir (draftport, SGLang, vLLM or speculators layout), or 'ngram' (prompt lookup, "
+                        "no checkpoint)")
     _add_lookup(p)
     p.add_argument("--prompts", default="mt-bench", help="mt-bench | humaneval | sharegpt | FILE")
     p.add_argument("--store", default=None, help="capture store for offline τ next to the online one")
@@ -194,9 +208,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(p, data=True, out=True, samples=True, device=True, seed=True, template=True)
 
     p = sub.add_parser("export", help="write SGLang / vLLM / speculators layouts")
-    p.add_argument("drafter")
-    p.add_argument("--format", required=True, choices=["sglang", "speculators", "vllm"])
-    p.add_argument("--out", default=None)
+    p.add_argument("drafter", help="drafter dir to export")
+    p.add_argument("--format", required=True, choices=["sglang", "speculators", "vllm"],
+                   help="the layout the serving engine loads")
+    p.add_argument("--out", default=None, help="output directory (default ./draftport-runs/export-<UTC time>/)")
     p.add_argument("--target", default=None, help="target config (decides the aux-id rule per engine)")
     p.add_argument("--depth", type=int, default=3, help="chain depth for the launch commands and the speculators config")
     p.add_argument("--include-embedding", action="store_true", default=None,
@@ -207,7 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "released rules of the engines the format is for)")
     p.add_argument("--force", action="store_true",
                    help="write even a checkpoint the engine would refuse or load wrong (a warning names the problem)")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 
     p = sub.add_parser("study", help="the whole port study → report.md / report.html")
     p.add_argument("--target-a", required=True)
@@ -230,9 +245,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="the embedded default end to end (Gemma-3-270M on CPU)")
     p.add_argument("--out", default=None, help="default ./draftport-demo/")
-    p.add_argument("--device", default=None, choices=["cpu", "cuda"])
-    p.add_argument("--restart", action="store_true")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda when available")
+    p.add_argument("--restart", action="store_true", help="start over instead of resuming the cached stages")
+    p.add_argument("--json", action="store_true", help="print summary.json's object on stdout")
     return parser
 
 
@@ -245,19 +260,27 @@ def main(argv: list[str] | None = None) -> int:
     if args.verb in WRITING_VERBS and getattr(args, "out", None) is None:
         args.out = default_out(args.verb)
     module_name, config_name, main_name = VERBS[args.verb]
+    out = getattr(args, "out", None) if args.verb in WRITING_VERBS else None
+    existed = out is not None and os.path.exists(out)
     try:
         module = importlib.import_module(module_name)
         cfg = config_from_args(getattr(module, config_name), args)
-        return int(getattr(module, main_name)(cfg) or 0)
+        rc = int(getattr(module, main_name)(cfg) or 0)
+        if out and os.path.isfile(os.path.join(out, FAILED_FILE)):  # an earlier failure's note, now stale
+            os.unlink(os.path.join(out, FAILED_FILE))
+        return rc
     except DraftportError as exc:
+        clean_failed_out(out, existed, str(exc))
         if args.debug:
             raise
         print(f"draftport: {exc}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
+        clean_failed_out(out, existed, "interrupted")
         print("draftport: interrupted (rerun the same command to resume)", file=sys.stderr)
         return 130
     except Exception as exc:  # an internal bug: still one line, with the way to see more
+        clean_failed_out(out, existed, f"internal error: {type(exc).__name__}: {exc}")
         if args.debug:
             raise
         if is_disk_full(exc):  # a writer that does not name its file: still the user's problem, not a bug

@@ -88,6 +88,13 @@ def _fsync_dir(dirname: str) -> None:
         os.close(fd)
 
 
+def _umask() -> int:
+    # reading the umask means setting it; set it straight back (no thread here writes files meanwhile)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     """Write to a temporary file in the same directory, fsync, rename over `path`."""
     path = os.fspath(path)
@@ -95,6 +102,9 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     os.makedirs(dirname, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".partial", dir=dirname)
     try:
+        # mkstemp creates 0600; the file gets the mode open() would give it (0666 less the umask), so a
+        # report or summary is readable by whoever may read the directory, as any other file written there
+        os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
@@ -135,3 +145,40 @@ def default_out(verb: str) -> str:
         return os.path.join(".", "draftport-demo")
     stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     return os.path.join(".", "draftport-runs", f"{verb}-{stamp}")
+
+
+# Files a verb writes before its real work starts: a folder holding only these has nothing a user needs.
+BOOKKEEPING = {"run.json", "manifest.json", "summary.json", "slice.jsonl", "metrics.jsonl"}
+
+
+def _only_bookkeeping(root: str) -> bool:
+    for dirpath, _, files in os.walk(root):
+        rel = os.path.relpath(dirpath, root)
+        for name in files:
+            if rel != "." or not (name in BOOKKEEPING or name.startswith(".tmp-")):
+                if not (rel.split(os.sep)[0] == "tb" and name.startswith("events.out.tfevents")):
+                    return False
+    return True
+
+
+FAILED_FILE = "FAILED.txt"
+
+
+def clean_failed_out(out: str | None, existed_before: bool, error: str) -> str | None:
+    """After a failed command: remove the output folder it created if it holds nothing the user needs;
+    otherwise (or when the folder was there before) leave it, with FAILED.txt saying the run failed and
+    why. Returns what was done ("removed", the note's path, or None when there is no folder)."""
+    if not out or not os.path.isdir(out):
+        return None
+    if not existed_before and _only_bookkeeping(out):
+        import shutil
+
+        shutil.rmtree(out, ignore_errors=True)
+        return "removed"
+    note = os.path.join(out, FAILED_FILE)
+    try:
+        atomic_write_bytes(note, (f"this run failed: {error}\nrerun the same command to resume (or with --restart "
+                                  "to start over); the files here are what it had written\n").encode("utf-8"))
+    except OSError:  # a full disk is often why it failed: the one-line error on stderr still says it
+        return None
+    return note

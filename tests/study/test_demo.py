@@ -89,6 +89,11 @@ def test_demo_end_to_end_on_a_tiny_target(tmp_path):
     assert "| prompt lookup (n 1–3) |" in md and s["eval"]["floor"]["match_rate"] == 1.0
     for png in ("acceptance.png", "tok_s.png", "tok_s_vs_verify.png"):
         assert f"]({png})" in md and os.path.getsize(tmp_path / "demo" / png) > 1000
+    # the new sections, from this run's own measurements: the machine, the timings' spread per prompt
+    assert f"| cores | {s['machine']['cores']} |" in md and "6. Will it transfer?" in md
+    assert len(s["eval"]["per_prompt"]["tok_s"]) == cfg.eval_prompts
+    assert "| tok/s, speculative (per prompt) |" in md and "| verify ms (isolated) |" in md
+    assert set(s["eval"]["isolated_ms"]["range_ms"]) == {"decode_step_ms", "verify_ms", "draft_step_ms"}
 
     # a rerun resumes: every stage is cached, nothing is recomputed, the figures are the same
     again = run_demo(cfg)
@@ -112,3 +117,127 @@ def test_demo_end_to_end_on_a_tiny_target(tmp_path):
     # (#55A868), the tok/s bars (#8172B2), the loss curve's running mean (#C44E52)
     for rgb in ((0x55, 0xA8, 0x68), (0x81, 0x72, 0xB2), (0xC4, 0x4E, 0x52)):
         assert _near(colours, rgb) > 100, rgb
+
+
+# ---------------------------------------------------------------------------------------------
+# The report as a newcomer reads it (issue 23), from a summary shaped like a contended CPU run:
+# the isolated decode step (647 ms) cannot hold beside the baseline's own 7.7 tok/s (130 ms a token).
+
+def _contended_summary() -> dict:
+    from draftport.study.demo import machine_info
+    from draftport.study.study import economics_row
+
+    ev = {"accept_len": 1.1, "tok_s": 1.2, "baseline_tok_s": 7.7, "speedup": 1.2 / 7.7, "predicted_tok_s": 0.97,
+          "predicted_rel_err": 0.97 / 1.2 - 1, "offline_accept_len": 1.7, "offline_rel_err": 1.7 / 1.1 - 1,
+          "cycle_ms": 900.0, "verify_ms": 829.0, "draft_ms": 60.0, "overhead_ms": 11.0,
+          "per_position_accept": [0.1, 0.0, 0.0], "accept_hist": {"1": 27, "2": 3}, "cycles": 30,
+          "isolated_ms": {"decode_step_ms": 647.0, "verify_ms": 1500.0, "draft_step_ms": 80.0,
+                          "draft_ms_per_step": 85.0, "range_ms": {"decode_step_ms": [600.0, 900.0],
+                                                                  "verify_ms": [1400.0, 2100.0],
+                                                                  "draft_step_ms": [70.0, 120.0]}},
+          "per_prompt": {"tok_s": [0.9, 1.2, 1.6], "baseline_tok_s": [6.1, 7.7, 8.0]},
+          "config": {"timing_repeats": 8, "dtype": "torch.float32"}}
+    return {"target": "gemma-3-270m", "data": "sharegpt", "prompts": "mt-bench", "eval_prompts": 3, "regenerate": True,
+            "device": "cpu", "depth": 3, "eval": ev,
+            "train": {"steps": 80, "final_loss": 5.1, "val_accept_len": 1.28, "num_val": 2, "ttt_steps": 3,
+                      "loss_curve": [[i, 9.0 - i / 20] for i in range(1, 81)]},
+            "capture": {"num_samples": 32, "num_tokens": 4000, "bytes": 2.0e8, "tokens_per_s": 300.0},
+            "check": stage_check(DemoConfig()), "economics": stage_economics(),
+            "example_text": "user: Tell me a joke / assistant: Tell me a joke Tell me a joke",
+            "stage_timings": {k: {"seconds": 10.0, "cached": False} for k in ("check", "economics", "capture", "train",
+                                                                             "eval", "report")},
+            "measured_economics": economics_row(1.1, 900.0, 829.0, 7.7), "seconds": 425.0,
+            "machine": machine_info("cpu", "torch.float32")}
+
+
+def test_report_states_machine_spread_errors_and_transfer(tmp_path):
+    from draftport.study.demo import GPU_STUDY_COMMAND, demo_report
+
+    s = _contended_summary()
+    md_path, html_path = demo_report(s, str(tmp_path))
+    md = open(md_path, encoding="utf-8").read()
+    m = s["machine"]
+    # the machine, beyond "cpu"
+    assert f"| cores | {m['cores']} |" in md and f"| torch | {m['torch']} |" in md
+    assert f"| transformers | {m['transformers']} |" in md and "| dtype | torch.float32 |" in md
+    # noisy timings: median with their range and repeats; the impossible pair is called out
+    assert "| tok/s, speculative (per prompt) | 1.2 | 0.9 | 1.6 | 3 |" in md
+    assert "| verify ms (isolated) | 1500 | 1400 | 2100 | 8 |" in md
+    assert "differ by 5.0×" in md and "other work shared the CPU" in md
+    # cycle-time and τ errors apart: predicted cycle = 1500 + 3 × 85 + 11 = 1766 ms vs 900 measured
+    assert "| cycle ms | isolated verify + depth × draft step + overhead | 1766 | 900 | +96.2% |" in md
+    assert "| τ | offline τ on the capture store | 1.7 | 1.1 | +54.5% |" in md
+    # both offline τ figures say what they are
+    assert "simulated τ, held-out validation samples" in md and "offline τ, all captured samples" in md
+    # will it transfer: the committed GPU study, labelled, with its command
+    assert "6. Will it transfer? (not measured in this run: the committed GPU study)" in md
+    assert "| plug-in | 0 | 1.20 | 1.21 | 490 | 595 | 0.82 |" in md and GPU_STUDY_COMMAND in md
+    # the check rows carry a short key, not the 90-character pair name
+    check_rows = [ln for ln in md.splitlines() if ln.startswith(("| replace |", "| fit |"))]
+    assert check_rows and not any("drafter-" in ln.split("|")[1] for ln in check_rows)
+    # the report's total is the one the terminal prints; its own row is not a fake 0.0
+    assert "Total 425 s" in md and "| report |" not in md
+    assert "base model" in md  # the looping excerpt is explained
+
+    browser = _chromium()
+    if browser is None:
+        assert not os.environ.get("CI"), "CI installs Debian's chromium (.ci/run); it is missing"
+        pytest.skip("Debian chromium not installed")
+    shot = tmp_path / "shot.png"
+    subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                    f"--user-data-dir={tmp_path / 'profile'}", "--window-size=1100,9000", "--hide-scrollbars",
+                    f"--screenshot={shot}", f"file://{html_path}"], check=True, capture_output=True, timeout=120)
+    dom = subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+                          f"--user-data-dir={tmp_path / 'profile2'}", "--dump-dom", f"file://{html_path}"],
+                         check=True, capture_output=True, timeout=120, text=True).stdout
+    for heading in ("6. Will it transfer?", "Run"):
+        assert f">{heading}" in dom, heading
+    assert "timing (repeated)" in dom and "prediction" in dom
+    from PIL import Image
+
+    colours = Image.open(shot).convert("RGB").getcolors(maxcolors=1 << 22) or []
+    # the plots painted from the inlined PNGs: the τ histogram's bars, the loss curve's running mean
+    for rgb in ((0x55, 0xA8, 0x68), (0xC4, 0x4E, 0x52)):
+        assert _near(colours, rgb) > 100, rgb
+
+
+def test_verify_plot_range_holds_the_break_even_verify(tmp_path):
+    from draftport.study.plots import plot_tok_s_vs_verify, verify_axis_range
+
+    # like the issue's run: verify 829 ms measured, baseline 7.7 tok/s, τ 1.1 with 71 ms besides verify:
+    # break-even verify = 1000 · 1.1 / 7.7 − 71 = 71.9 ms, left of the old axis start (a tenth of 829 ms)
+    tau, rest, base, measured = 1.1, 71.0, 7.7, 829.0
+    v_star = 1000 * tau / base - rest
+    lo, hi = verify_axis_range({"d": (tau, rest)}, base, measured)
+    assert lo < v_star < hi and lo <= 0.1 * measured and hi >= 2 * measured
+    # a break-even far above the measured verify widens the top instead
+    lo, hi = verify_axis_range({"d": (3.0, 1.0)}, 10.0, 50.0)
+    assert hi > 299.0
+    # a drafter that never pays (break-even ≤ 0) keeps the default range
+    assert verify_axis_range({"d": (1.0, 500.0)}, 10.0, 50.0) == (5.0, 100.0)
+    png = plot_tok_s_vs_verify({"d": (tau, rest)}, base, measured, tmp_path / "v.png")
+    assert os.path.getsize(png) > 1000
+
+
+def test_the_shipped_gpu_study_is_the_committed_one():
+    from draftport.study.demo import GPU_STUDY, GPU_STUDY_COMMAND
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with open(GPU_STUDY, "rb") as a, open(os.path.join(root, "docs", "gpu-study", "summary.json"), "rb") as b:
+        assert a.read() == b.read()
+    readme = " ".join(open(os.path.join(root, "README.md"), encoding="utf-8").read().replace("\\\n", " ").split())
+    assert GPU_STUDY_COMMAND in readme
+
+
+def test_spread_and_timing_rows():
+    from draftport.study.demo import spread, timing_table
+
+    assert spread([3.0, 1.0, 2.0]) == {"median": 2.0, "min": 1.0, "max": 3.0, "n": 3}
+    assert spread([]) is None and spread([None]) is None
+    ev = {"baseline_tok_s": 10.0, "isolated_ms": {"decode_step_ms": 105.0, "range_ms": {"decode_step_ms": [90.0, 130.0]}},
+          "config": {"timing_repeats": 5}}
+    rows, notes = timing_table(ev)
+    assert rows == [["decode step ms (isolated)", 105.0, 90.0, 130.0, 5]] and notes == []  # agrees with 100 ms/token
+    _, notes = timing_table({**ev, "baseline_tok_s": 2.0})
+    assert len(notes) == 1 and "differ by 4.8×" in notes[0]

@@ -419,7 +419,10 @@ def check_drafters(a: DrafterSpec, b: DrafterSpec, *, inv_a: Inventory | None = 
         if not same:
             add("incompatible", "no_tensor_transfers", f"no trainable tensor has the same name and shape: {_fmt(detail, 4)}")
         else:
-            add("partial", "tensors_differ", f"transfer: {_fmt(same, 8)}; do not transfer: {_fmt(detail, 6)}")
+            # without weights on both sides the names and shapes are the ones the configs imply (config_only)
+            real = inv_a is not None and inv_a.has_weights and inv_b is not None and inv_b.has_weights
+            add("partial", "tensors_differ", ("" if real else "as the configs imply (no weights read): ")
+                + f"transfer: {_fmt(same, 8)}; do not transfer: {_fmt(detail, 6)}")
     both_real = inv_a is not None and inv_a.has_weights and inv_b is not None and inv_b.has_weights
     if both_real:
         dt = [f"{n} {ta[n].dtype} vs {tb[n].dtype}" for n in same if ta[n].dtype != tb[n].dtype]

@@ -330,3 +330,15 @@ def split_train_val(n: int, val_fraction: float, seed: int = 0, keys: Sequence[s
         if len(val) == n:
             val.discard(max(range(n), key=u.__getitem__))
     return [i for i in range(n) if i not in val], sorted(val)
+
+
+def check_data_source(name_or_path: str) -> None:
+    """Fail fast, before a verb creates its folder or loads a model (~15 s for Gemma), on data it cannot
+    read: a capture store is accepted as is (its reader checks it); anything else must yield a first
+    conversation (a missing file, a directory, a malformed first record are one-line errors)."""
+    from draftport.data.store import MANIFEST
+
+    if os.path.isdir(name_or_path) and os.path.isfile(os.path.join(name_or_path, MANIFEST)):
+        return
+    if next(iter_conversations(name_or_path), None) is None:
+        raise DraftportError("no usable conversations (empty dataset?)", name_or_path)

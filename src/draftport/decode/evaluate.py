@@ -180,7 +180,7 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_call(fn, device, repeats: int, warmup: int = 2, inner: int = 1) -> float:
+def time_call(fn, device, repeats: int, warmup: int = 2, inner: int = 1, samples: list | None = None) -> float:
     """Median wall time of fn() in ms: `repeats` samples, each `inner` calls back to back between two
     synchronisations, divided by `inner`. inner = 1 times a call with a host sync around it; inner > 1
     times it the way a decoding cycle issues it (queued behind the previous call, no sync between),
@@ -197,6 +197,8 @@ def time_call(fn, device, repeats: int, warmup: int = 2, inner: int = 1) -> floa
             fn()
         _sync(device)
         times.append(1000.0 * (time.perf_counter() - t0) / inner)
+    if samples is not None:  # the caller reports the spread beside the median (a shared machine is noisy)
+        samples.extend(times)
     return statistics.median(times)
 
 
@@ -243,8 +245,9 @@ def measure_steps(base, spec, position: int, repeats: int) -> dict:
         tmask = torch.ones(rows_verify, rows_verify, dtype=torch.bool, device=dev).tril()
         spec.target_pass(tokens, nt, ar[:rows_verify], tmask)
 
-    out["decode_step_ms"] = time_call(decode_step, dev, repeats, inner=STEP_INNER)
-    out["verify_ms"] = time_call(verify, dev, repeats, inner=STEP_INNER)
+    spread = {n: [] for n in ("decode_step_ms", "verify_ms", "draft_step_ms")}
+    out["decode_step_ms"] = time_call(decode_step, dev, repeats, inner=STEP_INNER, samples=spread["decode_step_ms"])
+    out["verify_ms"] = time_call(verify, dev, repeats, inner=STEP_INNER, samples=spread["verify_ms"])
     Vd, H = drafter.spec.draft_vocab_size, drafter.spec.hidden_size
     dl = torch.zeros(Vd, device=dev)
     hid = torch.zeros(K, H, dtype=drafter.fc.weight.dtype, device=dev)
@@ -263,7 +266,9 @@ def measure_steps(base, spec, position: int, repeats: int) -> dict:
         nxt = sampling.tree_expand(level, torch.log_softmax(dlk, -1), spec.d2t_ids, K)
         return hk[nxt.frontier // K], nxt
 
-    out["draft_step_ms"] = time_call(tree_step if c.is_tree else chain_step, dev, repeats, inner=STEP_INNER)
+    out["draft_step_ms"] = time_call(tree_step if c.is_tree else chain_step, dev, repeats, inner=STEP_INNER,
+                                     samples=spread["draft_step_ms"])
+    out["range_ms"] = {n: [min(v), max(v)] for n, v in spread.items()}  # fastest and slowest of the repeats
     aux = torch.zeros(k + 1, drafter.spec.num_aux_layers * drafter.spec.target_hidden_size, dtype=spec.dtype,
                       device=dev)
     ext = torch.zeros(k + 1, dtype=torch.long, device=dev)

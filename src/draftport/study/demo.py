@@ -160,7 +160,11 @@ def stage_eval(cfg: DemoConfig, d: str, drafter: str, store: str) -> dict:
                               max_samples=cfg.eval_prompts, max_new_tokens=cfg.max_new_tokens, depth=cfg.depth, topk=1,
                               device=cfg.device, dtype=cfg.dtype, seed=cfg.seed, chat_template=cfg.chat_template,
                               store=store, no_hf_baseline=True, timing_repeats=cfg.timing_repeats))
-    return read_summary(d, "eval")
+    s = read_summary(d, "eval")
+    # each prompt is one repeat of the timed decode: its rates give the spread the aggregate hides
+    rows = [rec for _, rec in iter_jsonl(os.path.join(d, "metrics.jsonl"))]
+    s["per_prompt"] = {k: [r[k] for r in rows if r.get(k) is not None] for k in ("tok_s", "baseline_tok_s")}
+    return s
 
 
 # ---------------------------------------------------------------------------------------------
@@ -192,19 +196,177 @@ def floor_tables(ev: dict) -> list:
                           + f"; its offline τ on the no-speculation outputs {_fmt(fl.get('offline_accept_len'))}")]
 
 
+# The committed GPU study (docs/gpu-study/summary.json, shipped as a package asset so an installed
+# package has it too) and the command that produced it: the demo's answer to "will it transfer" when
+# the probe cannot run within its CPU budget (see transfer_section).
+GPU_STUDY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets",
+                         "gpu-study-summary.json")
+GPU_STUDY_COMMAND = ("DRAFTPORT_GGUF=gemma-3-270m-q4_k_m.gguf DRAFTPORT_PROMPTS=prompts.jsonl DRAFTPORT_CODE=code.jsonl "
+                     "DRAFTER_A=train-a/final A_SAMPLES=1000 B_STEPS=150 STUDY_SAMPLES=300 STUDY_SIZES=100,300 "
+                     "STUDY_STEPS=200 EVAL_PROMPTS=5 bash examples/gpu_study.sh")
+# Isolated timings and the decoding's own rates disagreeing by more than this factor means the machine
+# was busy with other work during one of them (a shared CPU): the run's timings are not comparable.
+CONTENDED_RATIO = 1.5
+
+
+def _cpu_model() -> str | None:
+    import platform
+
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.lower().startswith(("model name", "hardware")):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
+def _git_commit(where: str) -> str | None:
+    """The commit of the checkout `where` lies in (with '+ local changes' when the tree is dirty), or
+    None outside a git checkout or without git."""
+    import subprocess
+
+    try:
+        head = subprocess.run(["git", "-C", where, "rev-parse", "--short=12", "HEAD"], capture_output=True,
+                              text=True, timeout=10)
+        if head.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "-C", where, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head.stdout.strip() + (" + local changes" if dirty.returncode == 0 and dirty.stdout.strip() else "")
+
+
+def machine_info(device: str, dtype: str | None) -> dict:
+    """What a reader needs to judge the timings: CPU (or GPU), cores, library versions, dtype, date, commit."""
+    import platform
+
+    import torch
+    import transformers
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {"cpu": _cpu_model(), "cores": cores, "gpu": torch.cuda.get_device_name() if device == "cuda" else None,
+            "device": device, "dtype": dtype, "python": platform.python_version(), "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "commit": _git_commit(os.path.dirname(os.path.abspath(__file__)))}
+
+
+def spread(values) -> dict | None:
+    """{median, min, max, n} of repeated measurements (None when there are none)."""
+    import statistics
+
+    vals = [float(v) for v in values or [] if v is not None]
+    if not vals:
+        return None
+    return {"median": statistics.median(vals), "min": min(vals), "max": max(vals), "n": len(vals)}
+
+
+def _spread_text(sp: dict | None, f: str = "{:.1f}", unit: str = "") -> str:
+    if sp is None:
+        return "–"
+    if sp["n"] == 1:
+        return f.format(sp["median"]) + unit
+    return f"{f.format(sp['median'])}{unit} ({f.format(sp['min'])}–{f.format(sp['max'])}, n={sp['n']})"
+
+
+def timing_table(ev: dict) -> tuple[list[list], list[str]]:
+    """Rows (figure, median, min, max, repeats) of every timed figure of the eval, and warnings where two
+    of them cannot both hold on an idle machine."""
+    iso = ev.get("isolated_ms") or {}
+    ranges = iso.get("range_ms") or {}
+    per = ev.get("per_prompt") or {}
+    rows, notes = [], []
+    for label, key in (("tok/s, speculative (per prompt)", "tok_s"), ("tok/s, no speculation (per prompt)",
+                                                                      "baseline_tok_s")):
+        sp = spread(per.get(key))
+        if sp:
+            rows.append([label, sp["median"], sp["min"], sp["max"], sp["n"]])
+    n = (ev.get("config") or {}).get("timing_repeats")
+    for label, key in (("decode step ms (isolated)", "decode_step_ms"), ("verify ms (isolated)", "verify_ms"),
+                       ("draft step ms (isolated)", "draft_step_ms")):
+        if iso.get(key) is not None:
+            lo, hi = ranges.get(key) or (None, None)
+            rows.append([label, iso[key], lo, hi, n])
+    base = ev.get("baseline_tok_s")
+    if base and iso.get("decode_step_ms"):
+        per_token = 1000.0 / base
+        ratio = iso["decode_step_ms"] / per_token
+        if not 1 / CONTENDED_RATIO <= ratio <= CONTENDED_RATIO:
+            notes.append(f"The isolated decode step ({iso['decode_step_ms']:.1f} ms) and the no-speculation decoding's "
+                         f"own time per token ({per_token:.1f} ms, {base:.1f} tok/s) differ by {max(ratio, 1 / ratio):.1f}×: "
+                         "on an idle machine they agree, so other work shared the CPU during one of them. Compare "
+                         "figures of this run with care, or rerun on an idle machine (`draftport demo --restart`).")
+    return rows, notes
+
+
+def prediction_errors(ev: dict, depth: int) -> list[list]:
+    """The prediction's two inputs checked separately: cycle time (isolated steps vs the decoding's own
+    cycles) and τ (offline vs online); their errors can cancel in the tok/s figure."""
+    from draftport.economics import cycle_time_ms
+    from draftport.decode.evaluate import rel_err
+
+    iso = ev.get("isolated_ms") or {}
+    pred_cycle = None
+    if iso.get("verify_ms") is not None and iso.get("draft_ms_per_step") is not None:
+        pred_cycle = cycle_time_ms(iso["verify_ms"], iso["draft_ms_per_step"], depth, ev.get("overhead_ms") or 0.0)
+    return [
+        ["cycle ms", "isolated verify + depth × draft step + overhead", pred_cycle, ev.get("cycle_ms"),
+         rel_err(pred_cycle, ev.get("cycle_ms"))],
+        ["τ", "offline τ on the capture store", ev.get("offline_accept_len"), ev.get("accept_len"),
+         ev.get("offline_rel_err")],
+        ["tok/s", "τ / cycle", ev.get("predicted_tok_s"), ev.get("tok_s"), ev.get("predicted_rel_err")],
+    ]
+
+
+def transfer_section(study_path: str = GPU_STUDY):
+    """'Will it transfer?' from the committed GPU study: measuring it in the demo needs a real derivative of
+    the target (a fine-tuned copy), whose fine-tuning alone does not fit the demo's CPU budget."""
+    from draftport.study.report import Section, Table
+    from draftport.safeio import read_json
+
+    st = read_json(study_path)
+    rate = lambda v: None if v is None else round(v)  # noqa: E731  (tok/s: whole tokens are precision enough)
+    rows = [[r["drafter"], r["samples"], r.get("offline_accept_len"), r.get("accept_len"), rate(r.get("tok_s")),
+             rate(r.get("baseline_tok_s")), r.get("speedup")] for r in st["rows"]]
+    sim = [[f"layer {k}", v.get("cosine_mean"), v.get("cka"), v.get("norm_ratio")] for k, v in st["similarity"].items()]
+    return Section("6. Will it transfer? (not measured in this run: the committed GPU study)", paragraphs=[
+        "This run does not measure transfer: that needs a second target that is a real derivative of "
+        f"{os.path.basename(str(st['target_a']))} (a fine-tuned copy), and fine-tuning Gemma-3-270M on this CPU "
+        "does not fit the demo's ten-minute budget. The tables below are NOT from this run: they are the "
+        "committed port study measured on one NVIDIA H200 (docs/gpu-study/summary.json), where target B is "
+        "target A after 150 steps of continued training on ShareGPT code conversations, and A's drafter is "
+        "plugged into B as is, fine-tuned on B's answers (transfer) or trained from scratch.",
+        f"Plug-in: A's drafter keeps offline τ {st['plugin_accept_len']:.2f} on B of its {st['accept_len_a']:.2f} on A.",
+        f"The command that produced it: {GPU_STUDY_COMMAND}. On your own pair of targets: draftport probe "
+        "--target-a A --target-b B --data sharegpt --drafter A_DRAFTER (similarity and plug-in τ), or draftport "
+        "study (the whole comparison)."],
+        tables=[Table(["drafter on B (GPU study)", "samples", "τ offline", "τ online", "tok/s", "no speculation",
+                       "speedup"], rows, float_format="{:.2f}"),
+                Table(["aux layer (GPU study)", "cosine A vs B", "linear CKA", "norm ratio B/A"], sim,
+                      float_format="{:.4f}")])
+
+
 def demo_report(s: dict, out: str) -> tuple[str, str]:
-    """report.md + report.html from the demo's summary; every figure comes from this run's stages."""
+    """report.md + report.html from the demo's summary; every figure comes from this run's stages, except
+    section 6, which says it is the committed GPU study."""
     from draftport.study import plots
     from draftport.study.report import Image, Report, Section, Table, write_report
 
     ev, tr, cap, chk, eco = s["eval"], s["train"], s["capture"], s["check"], s["economics"]
     chain = eco["chain"]
+    per = ev.get("per_prompt") or {}
+    sp_tok, sp_base = spread(per.get("tok_s")), spread(per.get("baseline_tok_s"))
+    n_prompts = s["eval_prompts"]
     lines = [
         f"Speculative decoding of {s['target']} with the drafter trained in this run: {_fmt(ev.get('tok_s'), '{:.1f}')} "
         f"tok/s against {_fmt(ev.get('baseline_tok_s'), '{:.1f}')} tok/s without speculation "
         f"(speedup {_fmt(ev.get('speedup'))}×), τ = {_fmt(ev.get('accept_len'))} tokens per cycle on "
-        f"{s['eval_prompts']} {s['prompts']} prompts; predicted from the measured draft and verify times and the "
-        f"offline τ: {_fmt(ev.get('predicted_tok_s'), '{:.1f}')} tok/s."
+        f"{n_prompts} {s['prompts']} prompts (per prompt: {_spread_text(sp_tok)} vs {_spread_text(sp_base)} tok/s, "
+        f"median and range); predicted from the measured draft and verify times and the offline τ: "
+        f"{_fmt(ev.get('predicted_tok_s'), '{:.1f}')} tok/s (its cycle-time and τ errors are in section 5)."
         + (f" Training-free prompt lookup on the same prompts: τ {_fmt(ev['floor'].get('accept_len'))}, "
            f"{_fmt(ev['floor'].get('tok_s'), '{:.1f}')} tok/s." if ev.get("floor") else ""),
         f"The drafter learned from {cap['num_samples']} {s['data']} conversations"
@@ -217,17 +379,19 @@ def demo_report(s: dict, out: str) -> tuple[str, str]:
         f"depth-{SEED['depth']} chain (at most τ {SEED['depth'] + 1}).",
         f"Check: the Kimi-K2 drafter as a replacement for the DeepSeek-V3 drafter is "
         f"{chk['replace']['verdict']}; the DeepSeek-V3 drafter on its target is {chk['fit']['target_verdict']}.",
+        "Will it transfer: not measured in this run (it needs a fine-tuned copy of the target, which does not fit "
+        "the CPU budget); section 6 shows the committed GPU study, labelled as such.",
+        f"Machine: {_machine_line(s.get('machine') or {})}.",
     ]
     secs = []
 
-    rows = []
-    for key in ("replace", "fit"):
-        c = chk[key]
-        rows += [[f"{c['drafter']}" + (f" vs {c['other']}" if c["other"] else "") + f" @ {c['target']}", *f]
-                 for f in c["findings"]]
+    # the pair is named once in the paragraph; the rows carry a short key (a 90-character pair name in
+    # every row wraps each into a tall cell)
+    rows = [[key, *f] for key in ("replace", "fit") for f in chk[key]["findings"]]
     secs.append(Section("1. Can I reuse a drafter? (check, config.json files only)", paragraphs=[
-        f"{chk['replace']['drafter']} replacing {chk['replace']['other']} behind {chk['replace']['target']}: "
-        f"verdict {chk['replace']['verdict']}. {chk['fit']['drafter']} on {chk['fit']['target']}: "
+        f"replace: {chk['replace']['drafter']} replacing {chk['replace']['other']} behind {chk['replace']['target']}: "
+        f"verdict {chk['replace']['verdict']}.",
+        f"fit: {chk['fit']['drafter']} on {chk['fit']['target']}: "
         f"{chk['fit']['target_verdict']}; layers each engine feeds it: "
         + ", ".join(f"{e} {v}" for e, v in (chk["fit"]["capture_layers"] or {}).items()) + "."],
         tables=[Table(["check", "severity", "finding", "engine", "message"], rows)]))
@@ -247,11 +411,18 @@ def demo_report(s: dict, out: str) -> tuple[str, str]:
                f"captured at {_fmt(cap.get('tokens_per_s'), '{:,.0f}')} tok/s."]
     if s.get("example_text"):
         cap_par.append("A regenerated training conversation (excerpt): " + s["example_text"])
+        cap_par.append("The answer is the target's own greedy continuation, not ChatGPT's: Gemma-3-270M is a small "
+                       "base model (not instruction-tuned), so it often repeats the question or loops on a phrase. "
+                       "That is what the drafter must learn: speculation pays when the drafter guesses what the "
+                       "target will write, good answer or not.")
     secs.append(Section("3. Data: the target's own answers, captured", paragraphs=cap_par))
 
     tr_sec = Section("4. Training the drafter", tables=[Table(
-        ["steps", "final loss", "simulated τ (validation)", "seconds"],
-        [[tr.get("steps"), tr.get("final_loss"), tr.get("val_accept_len"), s["stage_timings"]["train"]["seconds"]]])])
+        ["steps", "final loss", "simulated τ, held-out validation samples", "seconds"],
+        [[tr.get("steps"), tr.get("final_loss"), tr.get("val_accept_len"), s["stage_timings"]["train"]["seconds"]]])],
+        paragraphs=[f"train simulates this τ from the drafter's per-step accuracy on the captured samples held "
+                    f"out from training ({_fmt(tr.get('num_val'), '{}')} here; teacher-forced, depth "
+                    f"{min(3, tr.get('ttt_steps') or 3)}); with this few samples it is a rough figure."])
     if len(tr.get("loss_curve") or []) >= 2:
         png = plots.plot_loss_curve([p[0] for p in tr["loss_curve"]], [p[1] for p in tr["loss_curve"]],
                                     os.path.join(out, "train_loss.png"))
@@ -259,10 +430,27 @@ def demo_report(s: dict, out: str) -> tuple[str, str]:
     secs.append(tr_sec)
 
     ev_sec = Section("5. Speculative decoding against no speculation", tables=[Table(
-        ["τ", "tok/s", "baseline tok/s", "speedup", "predicted tok/s", "offline τ", "cycle ms", "verify ms", "draft ms"],
+        ["τ online", "tok/s", "baseline tok/s", "speedup", "predicted tok/s", "offline τ, all captured samples",
+         "cycle ms", "verify ms", "draft ms"],
         [[ev.get(k) for k in ("accept_len", "tok_s", "baseline_tok_s", "speedup", "predicted_tok_s",
-                              "offline_accept_len", "cycle_ms", "verify_ms", "draft_ms")]])])
+                              "offline_accept_len", "cycle_ms", "verify_ms", "draft_ms")]], float_format="{:.4g}")])
     ev_sec.tables += floor_tables(ev)
+    ev_sec.paragraphs.append(
+        "Two offline τ figures appear in this report, from different samples: section 4's is simulated by "
+        "training on the held-out validation samples; this section's is a greedy walk of the drafter over every "
+        "captured sample (most of which it trained on, so it is the higher one). The online τ is what decoding "
+        "the eval prompts measured.")
+    ev_sec.tables.append(Table(["prediction", "from", "predicted", "measured", "error"],
+                               prediction_errors(ev, s.get("depth") or SEED["depth"]),
+                               caption="the prediction's inputs checked one by one: a cycle-time error and a τ error "
+                                       "can cancel in the tok/s figure", float_format="{:.4g}"))
+    for r in ev_sec.tables[-1].rows:  # errors as signed percentages
+        r[4] = None if r[4] is None else f"{r[4]:+.1%}"
+    t_rows, t_notes = timing_table(ev)
+    ev_sec.tables.append(Table(["timing (repeated)", "median", "min", "max", "repeats"], t_rows,
+                               caption="decode rates per prompt (each prompt one repeat) and isolated step times "
+                                       "over repeated calls", float_format="{:.4g}"))
+    ev_sec.paragraphs += t_notes
     if ev.get("per_position_accept") and ev.get("accept_hist"):
         png = plots.plot_acceptance(ev["per_position_accept"], ev["accept_hist"], os.path.join(out, "acceptance.png"),
                                     accept_len=ev.get("accept_len"))
@@ -283,13 +471,26 @@ def demo_report(s: dict, out: str) -> tuple[str, str]:
                                          ev["verify_ms"], os.path.join(out, "tok_s_vs_verify.png"))
         ev_sec.images.append(Image(os.path.basename(png), "tokens/s against verify time"))
     secs.append(ev_sec)
+    secs.append(transfer_section())
 
-    secs.append(Section("Run", paragraphs=[f"Device {s['device']}; total {s['seconds']:.0f} s (stages cached from an "
-                                           "earlier run count their original time)."],
-                        tables=[Table(["stage", "seconds", "cached"],
-                                      [[k, v["seconds"], "yes" if v["cached"] else "no"]
-                                       for k, v in s["stage_timings"].items()], float_format="{:.1f}")]))
+    mach = s.get("machine") or {}
+    secs.append(Section("Run", paragraphs=[
+        f"Total {s['seconds']:.0f} s of wall time for this invocation up to the report (stages cached from an "
+        "earlier run took no time now; the table gives the time each took when it ran)."],
+        tables=[Table(["machine", ""], [[k, mach.get(k)] for k in ("cpu", "cores", "gpu", "device", "dtype", "python",
+                                                                   "torch", "transformers", "date", "commit")
+                                        if k != "gpu" or mach.get("gpu")]),
+                Table(["stage", "seconds", "cached"],
+                      [[k, v["seconds"], "yes" if v["cached"] else "no"]
+                       for k, v in s["stage_timings"].items() if k != "report"], float_format="{:.1f}")]))
     return write_report(Report(f"draftport demo: an EAGLE-3 drafter for {s['target']}, end to end", lines, secs), out)
+
+
+def _machine_line(m: dict) -> str:
+    hw = m.get("gpu") or m.get("cpu") or "unknown CPU"
+    return (f"{hw}, {m.get('cores')} cores, {m.get('device')} {m.get('dtype')}, torch {m.get('torch')}, "
+            f"transformers {m.get('transformers')}, {m.get('date')}"
+            + (f", commit {m['commit']}" if m.get("commit") else ""))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -343,17 +544,22 @@ def run_demo(cfg: DemoConfig, console: Console | None = None) -> dict:
                **{k: ev.get(k) for k in ("accept_len", "tok_s", "baseline_tok_s", "speedup", "predicted_tok_s")},
                "check": check, "economics": eco, "capture": cap, "train": tr, "eval": ev,
                "example_text": _example_text(store), "stage_timings": st.timings}
+    dev = summary["device"]
+    summary["depth"] = cfg.depth
+    summary["machine"] = machine_info(dev, (ev.get("config") or {}).get("dtype") or cfg.dtype)
     if ev.get("accept_len") and ev.get("cycle_ms") and ev.get("baseline_tok_s"):
         summary["measured_economics"] = economics_row(ev["accept_len"], ev["cycle_ms"],
                                                       ev.get("verify_ms") or ev["cycle_ms"], ev["baseline_tok_s"])
     st.index += 1
     console.rule(f"[{st.index}/{st.total}] report", style="cyan")
     t1 = time.perf_counter()
-    summary["seconds"] = time.perf_counter() - t0
+    # the total the report states is the one the terminal prints: the report cannot contain its own time,
+    # so both give the time up to it and the report's own seconds separately
+    summary["seconds"] = t1 - t0
     st.timings["report"] = {"seconds": 0.0, "cached": False}
     md, html = demo_report(summary, cfg.out)
     st.timings["report"]["seconds"] = time.perf_counter() - t1
-    summary.update(report_md=md, report_html=html, seconds=time.perf_counter() - t0)
+    summary.update(report_md=md, report_html=html)
     atomic_write_json(os.path.join(cfg.out, "summary.json"), summary)
     return summary
 
@@ -367,7 +573,8 @@ def render(s: dict, console: Console) -> None:
     console.print(t)
     console.print(f"τ {_fmt(s['accept_len'])}, {_fmt(s['tok_s'], '{:.1f}')} tok/s vs "
                   f"{_fmt(s['baseline_tok_s'], '{:.1f}')} without speculation (speedup {_fmt(s['speedup'])}×), "
-                  f"predicted {_fmt(s['predicted_tok_s'], '{:.1f}')} tok/s; total {s['seconds']:.0f} s")
+                  f"predicted {_fmt(s['predicted_tok_s'], '{:.1f}')} tok/s; total {s['seconds']:.0f} s, then the "
+                  f"report {s['stage_timings']['report']['seconds']:.1f} s")
     console.print(f"report: [bold]{os.path.abspath(s['report_html'])}[/bold]")
 
 

@@ -225,7 +225,8 @@ def plot_tok_s_vs_verify(drafters: Mapping[str, tuple[float, float]], baseline_t
 
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6.5, 4))
-    v = np.linspace(measured_verify_ms * 0.1, measured_verify_ms * 2.0, 200)
+    lo, hi = verify_axis_range(drafters, baseline_tok_s, measured_verify_ms)
+    v = np.linspace(lo, hi, 200)
     for label, (tau, rest) in drafters.items():
         tok_s = float(tau) / ((v + float(rest)) / 1000.0)
         # the verify time at which this drafter just matches the baseline: τ / b − rest (named in the legend:
@@ -237,12 +238,28 @@ def plot_tok_s_vs_verify(drafters: Mapping[str, tuple[float, float]], baseline_t
             ax.plot([v_star], [baseline_tok_s], marker="o", color=line.get_color())
     ax.axhline(baseline_tok_s, color="black", ls="--", lw=1.2, label=f"no speculation ({baseline_tok_s:.1f} tok/s)")
     ax.axvline(measured_verify_ms, color="grey", ls=":", lw=1.2, label=f"measured verify ({measured_verify_ms:.1f} ms)")
+    ax.set_xlim(lo, hi)
     ax.set_xlabel("verify pass time (ms)")
     ax.set_ylabel("tokens/s")
     ax.set_title(title)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    # below the axes: inside, the legend covers the curves' upper left, where the measured verify line and
+    # the break-even points often are
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=1, frameon=False)
     return _save(fig, path)
+
+
+def verify_axis_range(drafters: Mapping[str, tuple[float, float]], baseline_tok_s: float,
+                      measured_verify_ms: float) -> tuple[float, float]:
+    """The verify-time axis of plot_tok_s_vs_verify: from a tenth of the measured verify to twice it, widened
+    so that every drafter's break-even verify time (τ / baseline − rest, where its curve meets the baseline)
+    lies inside with a margin; a break-even at or below 0 ms (never pays) cannot be shown and is left out."""
+    lo, hi = 0.1 * measured_verify_ms, 2.0 * measured_verify_ms
+    for tau, rest in drafters.values():
+        v_star = 1000.0 * float(tau) / baseline_tok_s - float(rest)
+        if v_star > 0:
+            lo, hi = min(lo, 0.5 * v_star), max(hi, 1.5 * v_star)
+    return lo, hi
 
 
 def plot_loss_curve(steps: Sequence[int], losses: Sequence[float], path: str | os.PathLike, *,

@@ -296,6 +296,10 @@ def run_capture(cfg: CaptureConfig, target=None, console: Console | None = None)
     out = cfg.out
     if os.path.exists(out) and not os.path.isdir(out):
         raise bad_input(out, "--out exists and is not a directory")
+    if cfg.aux_layers is not None:  # before the folder and the (slow) target load: engines need them unique, ascending
+        validate_aux_ids(cfg.aux_layers, None, "--aux-layers")
+    from draftport.data.conversations import check_data_source
+    check_data_source(cfg.data)  # bad data fails now: before the folder exists and the target loads
     os.makedirs(out, exist_ok=True)
     request = request_config(cfg)
     if cfg.restart:
@@ -306,8 +310,6 @@ def run_capture(cfg: CaptureConfig, target=None, console: Console | None = None)
                 os.unlink(os.path.join(out, name))
     _refuse_if_different(out, request)
 
-    if cfg.aux_layers is not None:  # before the (slow) target load: engines need them unique, ascending
-        validate_aux_ids(cfg.aux_layers, None, "--aux-layers")
     if target is None:
         with console.status(f"loading target {cfg.target}"):
             target, _ = resolve_target(cfg)

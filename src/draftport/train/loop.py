@@ -265,6 +265,8 @@ def open_run_dir(cfg: TrainConfig, info) -> tuple[str, dict]:
     out = parallel.broadcast_json(os.path.abspath(cfg.out), info)
     if os.path.exists(out) and not os.path.isdir(out):
         raise bad_input(out, "--out exists and is not a directory")
+    from draftport.data.conversations import check_data_source
+    check_data_source(cfg.data)  # bad data fails now: before the folder, its run.json and the target's load
     os.makedirs(out, exist_ok=True)
     run = cfg.resolved(info.device.type, distributed=info.distributed)  # bad values refused before any file
     parallel.rank_slice(run.batch_size, info)  # divisible by the ranks, or a one-line error
@@ -512,7 +514,8 @@ def _render(console, s: dict) -> None:
     fmt = lambda v: "–" if v is None else f"{v:.3f}"  # noqa: E731
     t.add_row("validation loss", fmt(iv.get("val_loss")), fmt(s.get("val_loss")))
     t.add_row("simulated τ (depth 3)", fmt(iv.get("val_accept_len")), fmt(s.get("val_accept_len")))
-    t.add_row(f"simulated τ (depth {s['ttt_steps']})", fmt(iv.get("val_accept_len_k")), fmt(s.get("val_accept_len_k")))
+    if s["ttt_steps"] != 3:  # at --ttt-steps 3 this is the depth-3 row above
+        t.add_row(f"simulated τ (depth {s['ttt_steps']})", fmt(iv.get("val_accept_len_k")), fmt(s.get("val_accept_len_k")))
     acc0, acc1 = (iv.get("val_acc") or [None])[0], (s.get("val_acc") or [None])[0]
     t.add_row("step-0 accuracy", fmt(acc0), fmt(acc1))
     console.print(t)
