@@ -35,6 +35,7 @@ import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from draftport.errors import DraftportError
 from draftport.safeio import atomic_write_bytes, atomic_write_json, sha256_file
@@ -532,22 +533,249 @@ def eval_engines(cfg: EvalConfig, target, drafter, prompts: list[list[int]], N: 
     return ecfg, base, spec, floor, hyb
 
 
-def run_eval(cfg: EvalConfig, *, target=None, drafter=None, console=None) -> dict:
-    """Evaluate and write the outputs; returns the summary. `target` / `drafter` may be passed in
-    (already-loaded objects, e.g. tiny test models); otherwise they are loaded from cfg."""
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+@dataclass
+class EvalRun:
+    """What every step of run_eval reads: the flags, the loaded target, the engines (eval_engines) and
+    the prompt lookups behind the floor and the hybrid, the stop ids and the token budgets."""
+    cfg: EvalConfig
+    target: Any
+    ecfg: Any                 # the speculative engine's EngineConfig, resolved
+    base: Any                 # no speculation (the baseline and the reference outputs)
+    spec: Any                 # the speculative engine (prompt lookup itself with --drafter ngram)
+    floor: Any                # prompt lookup beside a trained drafter (None with --drafter ngram)
+    hyb: Any                  # the hybrid (None without --hybrid)
+    lk: Any
+    hyb_lk: Any
+    stops: list
+    N: int                    # new tokens a prompt
+    ngram_only: bool
+    store_result: dict | None = None  # offline τ on --store, when given
 
-    from draftport.decode import offline
-    from draftport.data.chat import stop_token_ids
-    from draftport.data.conversations import load_prompts
+    @property
+    def k(self) -> int:
+        return self.ecfg.depth
 
-    console = console or Console(stderr=True)
+    @property
+    def n_base(self) -> int:
+        return self.N + self.k - 1            # past N so the offline walk can score the last cycle
+
+    @property
+    def greedy(self) -> bool:
+        return self.cfg.temperature <= 0
+
+
+class EvalTally:
+    """The per-prompt loop's sums: metrics.jsonl's rows, the speculative run's cycles and phase times,
+    the offline walk's accepts (without --store), token and time totals, HF generate's rates, and the
+    floor's and hybrid's own figures (RunFigures)."""
+
+    def __init__(self, run: EvalRun):
+        self.rows: list[dict] = []
+        self.cycles, self.draft_s, self.verify_s, self.over_s = [], [], [], []
+        self.offline_cycles, self.offline_positions = [], []
+        self.tot = {"spec_tok": 0, "spec_s": 0.0, "base_tok": 0, "base_s": 0.0, "match": 0, "compared": 0, "exact": 0}
+        self.hf_rates: list[float] = []
+        self.fl_fig = RunFigures(run.k, run.lk)
+        self.hy_fig = RunFigures(run.k, run.hyb_lk) if run.hyb is not None else None
+
+
+def check_eval_flags(cfg: EvalConfig) -> int:
+    """-> new tokens a prompt; bad values refused before anything loads."""
     N = cfg.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
     if N < 1:
         raise DraftportError(f"--max-new-tokens must be >= 1 (got {N})")
     if cfg.timing_repeats < 1:
         raise DraftportError(f"timing_repeats must be >= 1 (got {cfg.timing_repeats})")
+    return N
+
+
+def store_offline(run: EvalRun, drafter, console) -> dict | None:
+    """Offline τ of the drafter on the capture store (--store), or None."""
+    if run.cfg.store is None:
+        return None
+    from draftport.decode import offline
+
+    with console.status("offline τ on the capture store"):
+        return offline.offline_accept_len(drafter, run.cfg.store, target=run.target, depth=run.k,
+                                          max_samples=run.cfg.offline_samples, aux_layers=run.spec.aux_layers)
+
+
+def warm_up(run: EvalRun, warm: list[int]) -> None:
+    """Graph capture and first-call costs, on the first prompt, excluded from every figure."""
+    N, k, stops = run.N, run.k, run.stops
+    run.base.generate(warm, min(run.n_base, 4), stops)
+    run.spec.generate(warm, min(N, 3 * (k + 1)), stops)
+    for extra in (run.floor, run.hyb):
+        if extra is not None:
+            extra.generate(warm, min(N, 3 * (k + 1)), stops)
+    if not run.cfg.no_hf_baseline:
+        hf_generate_rate(run.target, warm, min(N, 4), stops, run.cfg.temperature, run.cfg.top_p, run.cfg.seed)
+
+
+def decode_prompts(run: EvalRun, convs, prompts: list[list[int]], console) -> EvalTally:
+    """Every prompt through every engine (eval_prompt), behind a progress bar."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    tally = EvalTally(run)
+    with Progress(TextColumn("eval"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console, transient=True) as bar:
+        task = bar.add_task("prompts", total=len(prompts))
+        for i, (conv, p) in enumerate(zip(convs, prompts)):
+            eval_prompt(run, tally, i, conv, p)
+            bar.advance(task)
+    return tally
+
+
+def eval_prompt(run: EvalRun, tally: EvalTally, i: int, conv, p: list[int]) -> None:
+    """One prompt: no speculation (the reference), the speculative run against it, HF generate's rate,
+    the floor and the hybrid, the offline walk on the reference outputs; its row into tally.rows."""
+    cfg, N, k, stops, tot = run.cfg, run.N, run.k, run.stops, tally.tot
+    seed = cfg.seed + i
+    rb = run.base.generate(p, run.n_base, stops, seed=seed)
+    rs = run.spec.generate(p, N, stops, seed=seed)
+    b_tok, b_s = len(rb.token_ids) - 1, rb.timings.total_s - rb.timings.prefill_s
+    s_tok, s_s = len(rs.token_ids) - 1, rs.timings.total_s - rs.timings.prefill_s
+    ref = rb.token_ids[:N]
+    m = prefix_match(rs.token_ids, ref)
+    tot["match"] += m
+    tot["compared"] += max(len(ref), len(rs.token_ids))
+    tot["exact"] += int(rs.token_ids == ref)
+    tot["spec_tok"] += s_tok
+    tot["spec_s"] += s_s
+    tot["base_tok"] += b_tok
+    tot["base_s"] += b_s
+    tally.cycles += rs.accept_lens
+    tally.draft_s += rs.timings.draft_s
+    tally.verify_s += rs.timings.verify_s
+    tally.over_s += rs.timings.overhead_s
+    hf = None
+    if not cfg.no_hf_baseline:
+        hf, _ = hf_generate_rate(run.target, p, N, stops, cfg.temperature, cfg.top_p, seed)
+        if hf is not None:
+            tally.hf_rates.append(hf)
+    fw, fm = lookup_walk(run.lk, p, rb.token_ids, k, N, skip_no_match=run.ecfg.ngram_no_match == "step")
+    tally.fl_fig.add_offline(fw, fm)
+    frow = tally.fl_fig.add(rs if run.ngram_only else run.floor.generate(p, N, stops, seed=seed), ref)
+    hrow = tally.hy_fig.add(run.hyb.generate(p, N, stops, seed=seed), ref) if run.hyb is not None else None
+    w = None
+    if run.store_result is None:
+        w = fw if run.ngram_only else offline_on_outputs(run.spec, run.target, p, rb.token_ids, N)
+        tally.offline_cycles += w.cycle_accepts
+        tally.offline_positions += w.position_accepts
+    tally.rows.append({
+        "index": i, "id": conv.id, "prompt_tokens": len(p), "new_tokens": len(rs.token_ids),
+        "cycles": rs.cycles, "accept_len": rs.accept_len, "accept_lens": rs.accept_lens,
+        "tok_s": decode_rate(s_tok, s_s), "baseline_tok_s": decode_rate(b_tok, b_s),
+        "hf_generate_tok_s": hf, "match_prefix": m, "match": rs.token_ids == ref,
+        "offline_accept_len": (sum(w.cycle_accepts) / len(w.cycle_accepts) + 1.0
+                               if w is not None and w.cycle_accepts else None),
+        "draft_ms": _mean_ms(rs.timings.draft_s), "verify_ms": _mean_ms(rs.timings.verify_s),
+        "overhead_ms": _mean_ms(rs.timings.overhead_s), "floor": frow, "hybrid": hrow})
+
+
+def tau_figures(run: EvalRun, tally: EvalTally) -> tuple[dict, dict, str]:
+    """-> (online τ figures, offline τ figures, where the offline ones come from: store | baseline-outputs)."""
+    from draftport.decode import offline
+
+    online = offline.summarize([t - 1 for t in tally.cycles], run.k)
+    if run.store_result is not None:
+        return online, run.store_result, "store"
+    return online, offline.summarize(tally.offline_cycles, run.k, tally.offline_positions), "baseline-outputs"
+
+
+def isolated_steps(run: EvalRun, prompts: list[list[int]]) -> dict:
+    """The step times measured in isolation at a typical position (the prediction's inputs)."""
+    typical = int(statistics.median(len(p) for p in prompts)) + run.N // 2
+    measure = measure_lookup_steps if run.ngram_only else measure_steps
+    return measure(run.base, run.spec, typical, run.cfg.timing_repeats)
+
+
+def predictions(run: EvalRun, tally: EvalTally, steps: dict, online: dict, off: dict, overhead_ms) -> dict:
+    """tok/s predicted from the isolated steps and the measured overhead, at the offline and at the online
+    τ, and (a chain) by depth."""
+    k, ecfg = run.k, run.ecfg
+    over_pred = overhead_ms or 0.0
+    verify_pred = steps["verify_ms"]
+    fl_matches = tally.fl_fig.offline_matches
+    if run.ngram_only and ecfg.ngram_no_match == "step" and fl_matches:
+        # cycles without a match verify the last token alone: a decode step
+        hit = sum(1 for m in fl_matches if m > 0) / len(fl_matches)
+        verify_pred = hit * steps["verify_ms"] + (1 - hit) * steps["decode_step_ms"]
+    pred = predicted_tok_s(off["accept_len"], verify_pred, steps["draft_ms_per_step"], k, over_pred)
+    pred_online = predicted_tok_s(online["accept_len"], verify_pred, steps["draft_ms_per_step"], k, over_pred)
+    depths = None
+    if not ecfg.is_tree and off["per_position"]:  # would a shorter chain pay more? (offline τ, isolated steps)
+        from draftport import economics
+
+        depths = economics.chain_depth_table(off["per_position"], steps["decode_step_ms"], steps["verify_ms"],
+                                             steps["draft_ms_per_step"], over_pred)
+    return {"pred": pred, "pred_online": pred_online, "depths": depths}
+
+
+def eval_summary(run: EvalRun, tally: EvalTally, prompts: list[list[int]]) -> dict:
+    """summary.json's object: τ online and offline, the rates, the prediction, the floor and hybrid, the config."""
+    cfg, ecfg, k, tot, greedy = run.cfg, run.ecfg, run.k, tally.tot, run.greedy
+    base, spec, floor, hyb = run.base, run.spec, run.floor, run.hyb
+    online, off, off_source = tau_figures(run, tally)
+    steps = isolated_steps(run, prompts)
+    draft_ms, verify_ms, overhead_ms = _mean_ms(tally.draft_s), _mean_ms(tally.verify_s), _mean_ms(tally.over_s)
+    tok_s = decode_rate(tot["spec_tok"], tot["spec_s"])
+    baseline = decode_rate(tot["base_tok"], tot["base_s"])
+    p = predictions(run, tally, steps, online, off, overhead_ms)
+    pred, pred_online, depths = p["pred"], p["pred_online"], p["depths"]
+    hf_rates, rows = tally.hf_rates, tally.rows
+    return {
+        "accept_len": online["accept_len"], "tok_s": tok_s, "baseline_tok_s": baseline,
+        "speedup": tok_s / baseline if tok_s and baseline else None,
+        "predicted_tok_s": pred, "predicted_rel_err": rel_err(pred, tok_s),
+        "predicted_tok_s_at_online_tau": pred_online, "predicted_at_online_tau_rel_err": rel_err(pred_online, tok_s),
+        "predicted_by_depth": depths,
+        "best_depth": max(depths, key=lambda r: r["tok_s"])["depth"] if depths else None,
+        "hf_generate_tok_s": (sum(hf_rates) / len(hf_rates)) if hf_rates else None,
+        "per_position_accept": online["per_position"], "accept_hist": online["accept_hist"],
+        "cycles": online["cycles"],
+        "draft_ms": draft_ms, "verify_ms": verify_ms, "overhead_ms": overhead_ms,
+        "cycle_ms": sum(x for x in (draft_ms, verify_ms, overhead_ms) if x is not None) if draft_ms else None,
+        "offline_accept_len": off["accept_len"], "offline_source": off_source,
+        "offline_mode": "ngram" if run.ngram_only else ("tree" if ecfg.is_tree and run.store_result is None else "chain"),
+        "offline_rel_err": rel_err(off["accept_len"], online["accept_len"]),
+        "offline_per_position": off["per_position"], "offline_position_accept_len": off.get("position_accept_len"),
+        "match_rate": tot["match"] / tot["compared"] if greedy and tot["compared"] else None,
+        "exact_match_prompts": tot["exact"] / len(prompts) if greedy else None,
+        "num_prompts": len(prompts), "new_tokens": sum(r["new_tokens"] for r in rows),
+        "isolated_ms": steps,
+        "floor": {**tally.fl_fig.summary(baseline, greedy), "same_run": run.ngram_only},
+        "hybrid": tally.hy_fig.summary(baseline, greedy) if tally.hy_fig is not None else None,
+        "config": {**asdict(cfg), "engine": {"depth": k, "topk": ecfg.topk, "num_draft_tokens": ecfg.num_draft_tokens,
+                                             "ngram_no_match": ecfg.ngram_no_match,
+                                             "max_len": ecfg.max_len, "cuda_graphs": spec.use_graphs,
+                                             "fused": spec.fused is not None, "sdpa": ecfg.sdpa,
+                                             "sdpa_choices": {"baseline": base.sdpa_choices(),
+                                                              "speculative": spec.sdpa_choices(),
+                                                              **({"floor": floor.sdpa_choices()} if floor else {}),
+                                                              **({"hybrid": hyb.sdpa_choices()} if hyb else {})}},
+                   "aux_layers": spec.aux_layers, "device": str(run.target.device), "dtype": str(run.target.dtype),
+                   "stop_token_ids": run.stops, "baseline_new_tokens": run.n_base,
+                   "timing": "decode rates: tokens after the first / time after the prefill; warm-up excluded",
+                   "predicted": "economics: offline τ / (isolated verify + depth · isolated draft step (one extend + "
+                                "depth−1 steps, averaged) + measured mean overhead)",
+                   "offline": "teacher-forced depth-k chain (topk 1); a tree (--topk > 1) usually accepts more"},
+    }
+
+
+def run_eval(cfg: EvalConfig, *, target=None, drafter=None, console=None) -> dict:
+    """Evaluate and write the outputs; returns the summary. `target` / `drafter` may be passed in
+    (already-loaded objects, e.g. tiny test models); otherwise they are loaded from cfg.
+    The steps: flags and prompt files checked, models loaded, engines built (eval_engines), offline τ on
+    --store (store_offline), warm-up (warm_up), every prompt decoded (decode_prompts → eval_prompt), the
+    summary (eval_summary: tau_figures, isolated_steps, predictions), the files (write_outputs)."""
+    from rich.console import Console
+
+    from draftport.data.chat import stop_token_ids
+    from draftport.data.conversations import load_prompts
+
+    console = console or Console(stderr=True)
+    N = check_eval_flags(cfg)
     convs = load_prompts(cfg.prompts, max_samples=cfg.max_samples)   # bad files fail before any model loads
     if cfg.store is not None and not os.path.isdir(cfg.store):
         raise DraftportError("no such capture store directory", cfg.store)
@@ -565,139 +793,12 @@ def run_eval(cfg: EvalConfig, *, target=None, drafter=None, console=None) -> dic
     prompts = encode_prompts(target, convs, cfg.chat_template, cfg.max_len)
     stops = stop_token_ids(target.tokenizer, cfg.chat_template, target.eos_token_ids)
     ecfg, base, spec, floor, hyb = eval_engines(cfg, target, drafter, prompts, N, lk, hyb_lk, ngram_only)
-    k = ecfg.depth
-    fl_fig, hy_fig = RunFigures(k, lk), (RunFigures(k, hyb_lk) if hyb is not None else None)
-    greedy = cfg.temperature <= 0
-    n_base = N + k - 1                               # past N so the offline walk can score the last cycle
-
-    store_result = None
-    if cfg.store is not None:
-        with console.status("offline τ on the capture store"):
-            store_result = offline.offline_accept_len(drafter, cfg.store, target=target, depth=k,
-                                                      max_samples=cfg.offline_samples, aux_layers=spec.aux_layers)
-
-    # Warm-up: graph capture and first-call costs, on the first prompt, excluded from every figure.
-    warm = prompts[0]
-    base.generate(warm, min(n_base, 4), stops)
-    spec.generate(warm, min(N, 3 * (k + 1)), stops)
-    for extra in (floor, hyb):
-        if extra is not None:
-            extra.generate(warm, min(N, 3 * (k + 1)), stops)
-    if not cfg.no_hf_baseline:
-        hf_generate_rate(target, warm, min(N, 4), stops, cfg.temperature, cfg.top_p, cfg.seed)
-
-    rows, cycles_all, draft_s, verify_s, over_s = [], [], [], [], []
-    offline_cycles, offline_positions = [], []
-    tot = {"spec_tok": 0, "spec_s": 0.0, "base_tok": 0, "base_s": 0.0, "match": 0, "compared": 0, "exact": 0}
-    hf_rates = []
-    with Progress(TextColumn("eval"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=console, transient=True) as bar:
-        task = bar.add_task("prompts", total=len(prompts))
-        for i, (conv, p) in enumerate(zip(convs, prompts)):
-            rb = base.generate(p, n_base, stops, seed=cfg.seed + i)
-            rs = spec.generate(p, N, stops, seed=cfg.seed + i)
-            b_tok, b_s = len(rb.token_ids) - 1, rb.timings.total_s - rb.timings.prefill_s
-            s_tok, s_s = len(rs.token_ids) - 1, rs.timings.total_s - rs.timings.prefill_s
-            ref = rb.token_ids[:N]
-            m = prefix_match(rs.token_ids, ref)
-            tot["match"] += m
-            tot["compared"] += max(len(ref), len(rs.token_ids))
-            tot["exact"] += int(rs.token_ids == ref)
-            tot["spec_tok"] += s_tok
-            tot["spec_s"] += s_s
-            tot["base_tok"] += b_tok
-            tot["base_s"] += b_s
-            cycles_all += rs.accept_lens
-            draft_s += rs.timings.draft_s
-            verify_s += rs.timings.verify_s
-            over_s += rs.timings.overhead_s
-            hf = None
-            if not cfg.no_hf_baseline:
-                hf, _ = hf_generate_rate(target, p, N, stops, cfg.temperature, cfg.top_p, cfg.seed + i)
-                if hf is not None:
-                    hf_rates.append(hf)
-            fw, fm = lookup_walk(lk, p, rb.token_ids, k, N, skip_no_match=ecfg.ngram_no_match == "step")
-            fl_fig.add_offline(fw, fm)
-            frow = fl_fig.add(rs if ngram_only else floor.generate(p, N, stops, seed=cfg.seed + i), ref)
-            hrow = hy_fig.add(hyb.generate(p, N, stops, seed=cfg.seed + i), ref) if hyb is not None else None
-            w = None
-            if store_result is None:
-                w = fw if ngram_only else offline_on_outputs(spec, target, p, rb.token_ids, N)
-                offline_cycles += w.cycle_accepts
-                offline_positions += w.position_accepts
-            rows.append({
-                "index": i, "id": conv.id, "prompt_tokens": len(p), "new_tokens": len(rs.token_ids),
-                "cycles": rs.cycles, "accept_len": rs.accept_len, "accept_lens": rs.accept_lens,
-                "tok_s": decode_rate(s_tok, s_s), "baseline_tok_s": decode_rate(b_tok, b_s),
-                "hf_generate_tok_s": hf, "match_prefix": m, "match": rs.token_ids == ref,
-                "offline_accept_len": (sum(w.cycle_accepts) / len(w.cycle_accepts) + 1.0
-                                       if w is not None and w.cycle_accepts else None),
-                "draft_ms": _mean_ms(rs.timings.draft_s), "verify_ms": _mean_ms(rs.timings.verify_s),
-                "overhead_ms": _mean_ms(rs.timings.overhead_s), "floor": frow, "hybrid": hrow})
-            bar.advance(task)
-
-    online = offline.summarize([t - 1 for t in cycles_all], k)
-    if store_result is not None:
-        off, off_source = store_result, "store"
-    else:
-        off, off_source = offline.summarize(offline_cycles, k, offline_positions), "baseline-outputs"
-    typical = int(statistics.median(len(p) for p in prompts)) + N // 2
-    steps = (measure_lookup_steps if ngram_only else measure_steps)(base, spec, typical, cfg.timing_repeats)
-    draft_ms, verify_ms, overhead_ms = _mean_ms(draft_s), _mean_ms(verify_s), _mean_ms(over_s)
-    tok_s = decode_rate(tot["spec_tok"], tot["spec_s"])
-    baseline = decode_rate(tot["base_tok"], tot["base_s"])
-    over_pred = overhead_ms or 0.0
-    verify_pred = steps["verify_ms"]
-    if ngram_only and ecfg.ngram_no_match == "step" and fl_fig.offline_matches:
-        # cycles without a match verify the last token alone: a decode step
-        hit = sum(1 for m in fl_fig.offline_matches if m > 0) / len(fl_fig.offline_matches)
-        verify_pred = hit * steps["verify_ms"] + (1 - hit) * steps["decode_step_ms"]
-    pred = predicted_tok_s(off["accept_len"], verify_pred, steps["draft_ms_per_step"], k, over_pred)
-    pred_online = predicted_tok_s(online["accept_len"], verify_pred, steps["draft_ms_per_step"], k, over_pred)
-    depths = None
-    if not ecfg.is_tree and off["per_position"]:  # would a shorter chain pay more? (offline τ, isolated steps)
-        from draftport import economics
-
-        depths = economics.chain_depth_table(off["per_position"], steps["decode_step_ms"], steps["verify_ms"],
-                                             steps["draft_ms_per_step"], over_pred)
-    summary = {
-        "accept_len": online["accept_len"], "tok_s": tok_s, "baseline_tok_s": baseline,
-        "speedup": tok_s / baseline if tok_s and baseline else None,
-        "predicted_tok_s": pred, "predicted_rel_err": rel_err(pred, tok_s),
-        "predicted_tok_s_at_online_tau": pred_online, "predicted_at_online_tau_rel_err": rel_err(pred_online, tok_s),
-        "predicted_by_depth": depths,
-        "best_depth": max(depths, key=lambda r: r["tok_s"])["depth"] if depths else None,
-        "hf_generate_tok_s": (sum(hf_rates) / len(hf_rates)) if hf_rates else None,
-        "per_position_accept": online["per_position"], "accept_hist": online["accept_hist"],
-        "cycles": online["cycles"],
-        "draft_ms": draft_ms, "verify_ms": verify_ms, "overhead_ms": overhead_ms,
-        "cycle_ms": sum(x for x in (draft_ms, verify_ms, overhead_ms) if x is not None) if draft_ms else None,
-        "offline_accept_len": off["accept_len"], "offline_source": off_source,
-        "offline_mode": "ngram" if ngram_only else ("tree" if ecfg.is_tree and store_result is None else "chain"),
-        "offline_rel_err": rel_err(off["accept_len"], online["accept_len"]),
-        "offline_per_position": off["per_position"], "offline_position_accept_len": off.get("position_accept_len"),
-        "match_rate": tot["match"] / tot["compared"] if greedy and tot["compared"] else None,
-        "exact_match_prompts": tot["exact"] / len(prompts) if greedy else None,
-        "num_prompts": len(prompts), "new_tokens": sum(r["new_tokens"] for r in rows),
-        "isolated_ms": steps,
-        "floor": {**fl_fig.summary(baseline, greedy), "same_run": ngram_only},
-        "hybrid": hy_fig.summary(baseline, greedy) if hy_fig is not None else None,
-        "config": {**asdict(cfg), "engine": {"depth": k, "topk": ecfg.topk, "num_draft_tokens": ecfg.num_draft_tokens,
-                                             "ngram_no_match": ecfg.ngram_no_match,
-                                             "max_len": ecfg.max_len, "cuda_graphs": spec.use_graphs,
-                                             "fused": spec.fused is not None, "sdpa": ecfg.sdpa,
-                                             "sdpa_choices": {"baseline": base.sdpa_choices(),
-                                                              "speculative": spec.sdpa_choices(),
-                                                              **({"floor": floor.sdpa_choices()} if floor else {}),
-                                                              **({"hybrid": hyb.sdpa_choices()} if hyb else {})}},
-                   "aux_layers": spec.aux_layers, "device": str(target.device), "dtype": str(target.dtype),
-                   "stop_token_ids": stops, "baseline_new_tokens": n_base,
-                   "timing": "decode rates: tokens after the first / time after the prefill; warm-up excluded",
-                   "predicted": "economics: offline τ / (isolated verify + depth · isolated draft step (one extend + "
-                                "depth−1 steps, averaged) + measured mean overhead)",
-                   "offline": "teacher-forced depth-k chain (topk 1); a tree (--topk > 1) usually accepts more"},
-    }
-    write_outputs(cfg.out, summary, rows)
+    run = EvalRun(cfg, target, ecfg, base, spec, floor, hyb, lk, hyb_lk, stops, N, ngram_only)
+    run.store_result = store_offline(run, drafter, console)
+    warm_up(run, prompts[0])
+    tally = decode_prompts(run, convs, prompts, console)
+    summary = eval_summary(run, tally, prompts)
+    write_outputs(cfg.out, summary, tally.rows)
     return summary
 
 
