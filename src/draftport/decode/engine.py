@@ -17,7 +17,8 @@ The target is driven through HF's own forward (any decoder-only model target.py 
 (or a {layer type: mask} dict for models with sliding layers), which HF's mask builders pass through
 unchanged. On CUDA the verify pass and the draft steps replay from CUDA graphs (greedy cycles after
 the first replay their whole draft phase as one graph); on CPU they run eagerly.
-The static cache, the graph capture and the attention-kernel choice live in decode/graphs.py; this
+The static cache, the graph capture and the attention-kernel choice live in decode/graphs.py (the
+engine holds a `GraphSet`, `self.graphs`: its graphs, their pools and each target pass's kernel); this
 module holds the engine's configuration, its passes and the drafting cycles.
 
 Prompt lookup (`lookup=decode/ngram.PromptLookup(...)`, issue 20) drafts from the context instead of (or, the
@@ -30,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import inspect
 import time
 import warnings
@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 import torch
 
 from draftport.decode import sampling
-from draftport.decode.graphs import SDPA_CHOICES, Graphed, SlotCache, attention_layout, sdpa_context
+from draftport.decode.graphs import SDPA_CHOICES, Graphed, GraphSet, SlotCache, attention_layout
 from draftport.model.fusion import FusedTarget
 from draftport.errors import DraftportError
 
@@ -163,16 +163,12 @@ class SpecEngine:
         if use_graphs and self.device.type != "cuda":
             raise DraftportError("CUDA graphs need a CUDA target (use_cuda_graphs=True on a CPU model)")
         self.use_graphs = use_graphs
-        self._graphs: dict[tuple, Graphed] = {}
+        self.graphs = GraphSet(use_graphs, self.cfg.sdpa)  # the graphed callables, their pools, kernel choice
         # eager on the CPU too (same code path as the captured graph, so the CPU tests cover it)
         self._whole_phase = self.cfg.graph_draft_phase
         fuse = self.cfg.fuse if self.cfg.fuse is not None else self.device.type == "cuda"
         self.fused = FusedTarget(self.model) if fuse else None
         self.dfused = None
-        if self.cfg.sdpa == "auto" and use_graphs:
-            self._target_variants = tuple(functools.partial(sdpa_context, c) for c in ("default", "efficient", "math"))
-        else:
-            self._target_variants = (functools.partial(sdpa_context, "default" if self.cfg.sdpa == "auto" else self.cfg.sdpa),)
         self.aux_layers: list[int] = []
         if drafter is not None:
             self._init_drafter(drafter)
@@ -200,25 +196,18 @@ class SpecEngine:
         # draft id -> target id, [Vd]
         self.d2t_ids = drafter.to_target_ids(torch.arange(spec.draft_vocab_size, device=self.device))
 
-    # -- graphed callables --------------------------------------------------------------------
+    # -- graphed callables (decode/graphs.py's GraphSet) ---------------------------------------
+    @property
+    def _graphs(self) -> dict[tuple, Graphed]:
+        """(name, input shapes) -> Graphed: the GraphSet's graphs (tests read which were captured)."""
+        return self.graphs.graphs
+
     def _call(self, name: str, fn, *args: torch.Tensor, variants=(contextlib.nullcontext,)):
-        key = (name, *(tuple(a.shape) for a in args))
-        g = self._graphs.get(key)
-        if g is None:
-            # Each graph gets its own memory pool. With one shared pool a graph captured later may place
-            # its outputs where an earlier graph keeps scratch, and that graph's next replay overwrites
-            # them: the whole-draft-phase graph (captured in cycle 2) returns the tree that the cycle
-            # reads AFTER the verify graph (captured in cycle 1) has replayed — on the H200 its paths came
-            # back as garbage indices (device-side assert). Private pools cost only the graphs' scratch.
-            pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
-            g = self._graphs[key] = Graphed(fn, self.use_graphs, pool, variants)
-        return g(*args)
+        return self.graphs.call(name, fn, *args, variants=variants)
 
     def sdpa_choices(self) -> dict[str, str]:
         """The attention kernel each graphed target pass ended up with, by token count ("auto" timing)."""
-        names = ("default", "efficient", "math") if len(self._target_variants) > 1 else (self.cfg.sdpa,)
-        return {f"{k[0]}_T{k[1][1]}": names[g.choice] for k, g in self._graphs.items()
-                if k[0].startswith("target") and g.choice is not None}
+        return self.graphs.sdpa_choices()
 
     # -- the target pass ----------------------------------------------------------------------
     def _target_masks(self, slots, pos, n, tree_mask):
@@ -262,10 +251,9 @@ class SpecEngine:
         fn = self._target_fn(with_aux)
         args = (ids[None], n, depths, tree_mask)
         if graphed:
-            out = self._call(f"target{int(with_aux)}", fn, *args, variants=self._target_variants)
+            out = self.graphs.call_target(f"target{int(with_aux)}", fn, *args)
         else:
-            with self._target_variants[0]():
-                out = fn(*args)
+            out = self.graphs.eager_target(fn, *args)
         return out[0], (out[1] if with_aux else None)
 
     # -- the drafter steps --------------------------------------------------------------------
@@ -403,15 +391,14 @@ class SpecEngine:
             args = (*state[1:], last)                                      # aux, ext, nt, a, last
             if not self.use_graphs:
                 return self._whole_phase_fn(*args), []
-            key = ("draft_phase", *(tuple(t.shape) for t in args))
-            captured = key in self._graphs and self._graphs[key].graph is not None
+            captured = self.graphs.captured("draft_phase", *args)
             try:
                 return self._call("draft_phase", self._whole_phase_fn, *args), []
             except RuntimeError as exc:
                 if captured:  # a replay error is a real error, not a capture limitation
                     raise
                 self._whole_phase = False  # a capture this build cannot do: keep the per-step graphs
-                self._graphs.pop(key, None)
+                self.graphs.drop("draft_phase", *args)
                 warnings.warn(f"draftport: the draft phase could not be captured as one graph ({exc}); "
                               "using one graph per drafter step")
         h, dl = self._drafter_ready(state)

@@ -1,12 +1,14 @@
 """The engine's machinery under the drafting cycles: the target's static KV cache (HF Cache layers
 written at the slots the engine picks), CUDA graphs (one per call and shape, replayed with static
-buffers, the fastest of several attention-kernel variants kept) and the target's attention layout.
-decode/engine.py's SpecEngine drives them; nothing here knows about drafts or acceptance.
+buffers, the fastest of several attention-kernel variants kept), `GraphSet` (an engine's graphs, their
+pools and the kernel each target pass ended with) and the target's attention layout.
+decode/engine.py's SpecEngine holds a GraphSet and drives it; nothing here knows about drafts or acceptance.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -135,6 +137,62 @@ class Graphed:
                 dst.copy_(src)
         self.graph.replay()
         return self.outputs
+
+
+class GraphSet:
+    """An engine's graphed callables: one `Graphed` per (name, input shapes), each with its own memory
+    pool, and the attention-kernel variants its target passes are captured under ("auto" with graphs:
+    default, efficient and math, timed, the fastest kept). Disabled (CPU), every call runs eagerly
+    through the same path, so the CPU tests cover the code the graphs capture."""
+
+    def __init__(self, enabled: bool, sdpa: str = "auto"):
+        self.enabled, self.sdpa = enabled, sdpa
+        self.graphs: dict[tuple, Graphed] = {}
+        if sdpa == "auto" and enabled:
+            self.target_variants = tuple(functools.partial(sdpa_context, c) for c in ("default", "efficient", "math"))
+        else:
+            self.target_variants = (functools.partial(sdpa_context, "default" if sdpa == "auto" else sdpa),)
+
+    @staticmethod
+    def key(name: str, *args: torch.Tensor) -> tuple:
+        return (name, *(tuple(a.shape) for a in args))
+
+    def call(self, name: str, fn, *args: torch.Tensor, variants=(contextlib.nullcontext,)):
+        """fn(*args) through the graph for this name and these shapes (captured on its first call)."""
+        key = self.key(name, *args)
+        g = self.graphs.get(key)
+        if g is None:
+            # Each graph gets its own memory pool. With one shared pool a graph captured later may place
+            # its outputs where an earlier graph keeps scratch, and that graph's next replay overwrites
+            # them: the whole-draft-phase graph (captured in cycle 2) returns the tree that the cycle
+            # reads AFTER the verify graph (captured in cycle 1) has replayed — on the H200 its paths came
+            # back as garbage indices (device-side assert). Private pools cost only the graphs' scratch.
+            pool = torch.cuda.graph_pool_handle() if self.enabled else None
+            g = self.graphs[key] = Graphed(fn, self.enabled, pool, variants)
+        return g(*args)
+
+    def call_target(self, name: str, fn, *args: torch.Tensor):
+        """A target pass: graphed under the attention-kernel variants."""
+        return self.call(name, fn, *args, variants=self.target_variants)
+
+    def eager_target(self, fn, *args: torch.Tensor):
+        """A target pass run eagerly (the prefill) under the first kernel choice."""
+        with self.target_variants[0]():
+            return fn(*args)
+
+    def captured(self, name: str, *args: torch.Tensor) -> bool:
+        g = self.graphs.get(self.key(name, *args))
+        return g is not None and g.graph is not None
+
+    def drop(self, name: str, *args: torch.Tensor) -> None:
+        """Forget the graph for this name and these shapes (a capture that failed)."""
+        self.graphs.pop(self.key(name, *args), None)
+
+    def sdpa_choices(self) -> dict[str, str]:
+        """The attention kernel each graphed target pass ended up with, by token count ("auto" timing)."""
+        names = ("default", "efficient", "math") if len(self.target_variants) > 1 else (self.sdpa,)
+        return {f"{k[0]}_T{k[1][1]}": names[g.choice] for k, g in self.graphs.items()
+                if k[0].startswith("target") and g.choice is not None}
 
 
 def _replay_ms(graph, n: int = 10) -> float:
