@@ -52,6 +52,24 @@ def _chromium() -> str | None:
     return next((p for p in (shutil.which("chromium"), shutil.which("chromium-browser")) if p), None)
 
 
+def _browser_or_skip() -> str:
+    browser = _chromium()
+    if browser is None:
+        assert not os.environ.get("CI"), "CI installs Debian's chromium (.ci/run); it is missing"
+        pytest.skip("Debian chromium not installed")
+    return browser
+
+
+def _screenshot(browser: str, html_path, tmp_path, height: int):
+    """A full-page PNG of the report in headless chromium (its own profile folder under tmp_path)."""
+    shot = tmp_path / "shot.png"
+    subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                    f"--user-data-dir={tmp_path / 'profile'}", f"--window-size=1100,{height}", "--hide-scrollbars",
+                    f"--screenshot={shot}", f"file://{html_path}"], check=True, capture_output=True, timeout=120)
+    return shot
+
+
 def _near(colours, rgb, tol=12) -> int:
     return sum(n for n, (r, g, b) in colours if max(abs(r - rgb[0]), abs(g - rgb[1]), abs(b - rgb[2])) < tol)
 
@@ -100,15 +118,8 @@ def test_demo_end_to_end_on_a_tiny_target(tmp_path):
     assert all(v["cached"] for k, v in again["stage_timings"].items() if k != "report")
     assert again["accept_len"] == s["accept_len"] and again["tok_s"] == s["tok_s"]
 
-    browser = _chromium()
-    if browser is None:
-        assert not os.environ.get("CI"), "CI installs Debian's chromium (.ci/run); it is missing"
-        pytest.skip("Debian chromium not installed")
-    shot = tmp_path / "shot.png"
-    subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                    "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                    f"--user-data-dir={tmp_path / 'profile'}", "--window-size=1100,7000", "--hide-scrollbars",
-                    f"--screenshot={shot}", f"file://{s['report_html']}"], check=True, capture_output=True, timeout=120)
+    browser = _browser_or_skip()
+    shot = _screenshot(browser, s["report_html"], tmp_path, height=7000)
     from PIL import Image
 
     colours = Image.open(shot).convert("RGB").getcolors(maxcolors=1 << 22) or []
@@ -179,15 +190,8 @@ def test_report_states_machine_spread_errors_and_transfer(tmp_path):
     assert "Total 425 s" in md and "| report |" not in md
     assert "base model" in md  # the looping excerpt is explained
 
-    browser = _chromium()
-    if browser is None:
-        assert not os.environ.get("CI"), "CI installs Debian's chromium (.ci/run); it is missing"
-        pytest.skip("Debian chromium not installed")
-    shot = tmp_path / "shot.png"
-    subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                    "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                    f"--user-data-dir={tmp_path / 'profile'}", "--window-size=1100,9000", "--hide-scrollbars",
-                    f"--screenshot={shot}", f"file://{html_path}"], check=True, capture_output=True, timeout=120)
+    browser = _browser_or_skip()
+    shot = _screenshot(browser, html_path, tmp_path, height=9000)
     dom = subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
                           f"--user-data-dir={tmp_path / 'profile2'}", "--dump-dom", f"file://{html_path}"],
                          check=True, capture_output=True, timeout=120, text=True).stdout
