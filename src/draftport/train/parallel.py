@@ -73,6 +73,10 @@ def init_distributed(device: str | None = None, timeout_s: int = 1800) -> DistIn
 
 def shutdown(info: DistInfo) -> None:
     if info.distributed and dist.is_initialized():
+        # Every rank reaches the end before any tears its connections down: a gloo rank that destroyed its
+        # group while rank 0 was still writing the checkpoint aborted ("terminate called without an active
+        # exception", SIGABRT) in one CPU run of tests/train/test_parallel.py.
+        dist.barrier()
         dist.destroy_process_group()
 
 
