@@ -234,3 +234,46 @@ def test_floor_table(examples_path, tmp_path, capsys):
     assert "| chat | 1,970 | 400,000 | 1,500 | 2.000 | 1.83 → 1.25 (N = 50) |" in lines
     assert main([str(tmp_path / "eval-base-d1")]) == 2  # a folder without runs: one line, exit 2
     assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+def test_learning_curve_evaluates_every_milestone_beside_the_floor(examples_path, tmp_path, capsys):
+    """examples/learning_curve.py on a tiny run: each milestone and the final drafter evaluated with the
+    floor and hybrid of its own eval run, the best one on the extra set, the table, plot and JSON written;
+    a rerun reuses the finished evals."""
+    from rich.console import Console
+
+    from draftport.train.capture import CaptureConfig, run_capture
+    from draftport.train.config import TrainConfig
+    from draftport.train.loop import run_train
+    from learning_curve import main, token_label
+
+    quiet = Console(stderr=True, quiet=True)
+    convs = tmp_path / "c.jsonl"
+    convs.write_text("".join(json.dumps(c) + "\n" for c in CONVS * 4))
+    run_capture(CaptureConfig(target="tiny-gemma3", data=str(convs),
+                              out=str(tmp_path / "store"), max_len=40, device="cpu"), console=quiet)
+    run = tmp_path / "run"
+    summary = run_train(TrainConfig(target="tiny-gemma3", data=str(tmp_path / "store"), out=str(run), steps=4,
+                                    batch_size=4, ttt_steps=2, lr=5e-3, device="cpu", save_at_tokens=[1, 300]),
+                        console=quiet)
+    assert [(m["mark_tokens"], m["step"]) for m in summary["milestones"]] == [(1, 1), (300, 2)]  # 160 tokens a step
+    argv = ["--target", "tiny-gemma3", "--run", str(run), "--sets", "mt-bench", "--extra-sets", "mt-bench:math",
+            "--max-samples", "1", "--max-new-tokens", "6", "--depth", "2", "--device", "cpu", "--out",
+            str(tmp_path / "curve")]
+    assert main(argv) == 0
+    curve = json.loads((tmp_path / "curve" / "curve.json").read_text())
+    mt = [r for r in curve["rows"] if r["set"] == "mt-bench"]
+    assert [r["path"].split("/")[-1] for r in mt] == ["1", "300", "final"]
+    assert mt[0]["tokens"] < mt[1]["tokens"] < mt[2]["tokens"]
+    assert len({r["floor_tau"] for r in mt}) == 1  # the floor: same prompts, same greedy target, every run
+    assert all(r["match_rate"] == 1.0 and r["hybrid_match_rate"] == 1.0 for r in mt)
+    extra = [r for r in curve["rows"] if r["set"] == "mt-bench-math"]
+    assert len(extra) == 1 and extra[0]["tokens"] == curve["best_tokens"]
+    assert (tmp_path / "curve" / "curve-mt-bench.png").stat().st_size > 1000
+    assert "| mt-bench |" in (tmp_path / "curve" / "curve.md").read_text()
+    first = (tmp_path / "curve" / "mt-bench" / "1" / "summary.json").stat().st_mtime_ns
+    capsys.readouterr()
+    assert main(argv) == 0  # the rerun reuses every finished eval
+    assert (tmp_path / "curve" / "mt-bench" / "1" / "summary.json").stat().st_mtime_ns == first
+    assert "learning_curve: mt-bench at" not in capsys.readouterr().err
+    assert (token_label(500_000), token_label(20_000_000), token_label(64_000)) == ("0.5M", "20M", "64k")

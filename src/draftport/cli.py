@@ -47,6 +47,26 @@ def _int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
 
 
+def _token_counts(text: str) -> list[int]:
+    """'500k,2M,1.5G' -> [500000, 2000000, 1500000000] (k, M, G: powers of 1000)."""
+    scale = {"k": 10 ** 3, "m": 10 ** 6, "g": 10 ** 9}
+    out = []
+    for part in (x.strip() for x in text.split(",")):
+        if not part:
+            continue
+        mult = scale.get(part[-1].lower(), 1)
+        try:
+            n = float(part[:-1] if mult > 1 else part) * mult
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected token counts like 500k,2M,20M, got {part!r}")
+        if n < 1 or n != int(n):
+            raise argparse.ArgumentTypeError(f"a token count must be a positive whole number, got {part!r}")
+        out.append(int(n))
+    if not out:
+        raise argparse.ArgumentTypeError("expected at least one token count")
+    return out
+
+
 def _aux_list(text: str) -> list[int]:
     """--aux-layers: unique ids in ascending order, the order both engines feed them (check/layers.py)."""
     from draftport.check.layers import validate_aux_ids
@@ -172,6 +192,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--val-every", type=int, default=None)
     p.add_argument("--save-every", type=int, default=None)
     p.add_argument("--keep-last", type=int, default=None)
+    p.add_argument("--save-at-tokens", type=_token_counts, default=None,
+                   help="also publish the drafter at these training-token counts, e.g. 500k,2M,20M "
+                        "(<out>/at-tokens/<N>/, kept: a learning curve from one run)")
     p.add_argument("--max-nonfinite-steps", type=int, default=5,
                    help="NaN/Inf loss steps are skipped; this many in a row stop the run (exit 2)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,

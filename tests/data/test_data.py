@@ -84,6 +84,12 @@ def test_named_sources():
     assert he[0].messages[0]["content"].startswith("from typing import List")
     first_turn = load_prompts("mt-bench", max_samples=1)[0]
     assert [m["role"] for m in first_turn.messages] == ["user"]
+    # MT-bench's own categories pick a subset: its math questions are the GSM8K-style prompts eval reports
+    math = load_prompts("mt-bench:math")
+    assert len(math) == 10 and [c.id for c in math] == [c.id for c in mt[30:40]]
+    assert len(load_prompts("mt-bench:math+reasoning")) == 20
+    with pytest.raises(DraftportError, match="unknown MT-bench category algebra"):
+        load_prompts("mt-bench:algebra")
 
 
 def test_file_formats_and_roundtrip(tmp_path):

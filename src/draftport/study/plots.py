@@ -176,9 +176,11 @@ def plot_layer_similarity(similarity: Mapping[str, Mapping[str, float | None]], 
 def plot_accept_vs_data(sizes: Sequence[int], series: Mapping[str, Sequence[float | None]],
                         path: str | os.PathLike, *, reference: Mapping[str, float] | None = None,
                         title: str = "acceptance length vs training data",
-                        ylabel: str = "τ (tokens per cycle)") -> str:
-    """τ against the number of training samples, one line per recipe (e.g. transfer, scratch); optional
-    horizontal reference lines (e.g. the plug-in τ with no training, the break-even τ)."""
+                        ylabel: str = "τ (tokens per cycle)", xlabel: str = "training samples",
+                        tick_label=str) -> str:
+    """τ against the number of training samples (or, with xlabel / tick_label, tokens), one line per
+    recipe (e.g. transfer, scratch); optional horizontal reference lines (e.g. the plug-in τ with no
+    training, the break-even τ, the prompt-lookup floor)."""
     if not sizes or not series:
         raise DraftportError("nothing to plot: no data sizes or no series")
     plt = _pyplot()
@@ -200,8 +202,8 @@ def plot_accept_vs_data(sizes: Sequence[int], series: Mapping[str, Sequence[floa
         ax.set_xscale("log")
         ax.minorticks_off()
     ax.set_xticks(list(sizes))
-    ax.set_xticklabels([str(s) for s in sizes])
-    ax.set_xlabel("training samples")
+    ax.set_xticklabels([tick_label(s) for s in sizes])
+    ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.grid(alpha=0.3)

@@ -35,7 +35,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from draftport.errors import DraftportError, disk_full, is_disk_full
-from draftport.safeio import atomic_rename_dir, read_json, sha256_file
+from draftport.safeio import atomic_rename_dir, atomic_write_json, read_json, sha256_file
 
 CHECKPOINTS = "checkpoints"     # subfolder of --out holding step-* directories
 RESUME = "resume"               # subfolder of a checkpoint holding the resume state
@@ -548,6 +548,36 @@ def publish_final(ckpt: str | os.PathLike, dest: str | os.PathLike) -> Path:
     if dest.exists():
         _remove_dir(dest)
     atomic_rename_dir(str(tmp), str(dest))
+    return dest
+
+
+MILESTONES = "at-tokens"  # <out>/at-tokens/<N>/: the drafter published once N training tokens were seen
+
+
+def milestone_dir(out: str | os.PathLike, mark: int) -> Path:
+    return Path(out) / MILESTONES / str(int(mark))
+
+
+def is_complete_milestone(out: str | os.PathLike, mark: int) -> bool:
+    return (milestone_dir(out, mark) / "milestone.json").is_file()
+
+
+def list_milestones(out: str | os.PathLike) -> list[dict]:
+    """The published milestones, by mark: milestone.json's fields plus "path"."""
+    root = Path(out) / MILESTONES
+    found = []
+    for d in sorted(root.iterdir(), key=lambda p: int(p.name) if p.name.isdigit() else -1) if root.is_dir() else []:
+        if d.name.isdigit() and (d / "milestone.json").is_file():
+            found.append({**read_json(str(d / "milestone.json")), "path": str(d)})
+    return found
+
+
+def publish_milestone(ckpt: str | os.PathLike, out: str | os.PathLike, mark: int, seen: int, step: int) -> Path:
+    """Copy a checkpoint's engine files to <out>/at-tokens/<mark>/ with milestone.json (the mark, the tokens
+    really seen — the first step at or past the mark — and the step): a learning curve's point, outside
+    the checkpoints that keep_last prunes."""
+    dest = publish_final(ckpt, milestone_dir(out, mark))
+    atomic_write_json(str(dest / "milestone.json"), {"mark_tokens": int(mark), "tokens_seen": int(seen), "step": int(step)})
     return dest
 
 

@@ -32,6 +32,8 @@ class TrainConfig:
     val_every: int | None = None         # validate every N steps (None: steps // 5; 0 = only first/last)
     save_every: int | None = None        # checkpoint every N steps (None: 1000); always at the end
     keep_last: int | None = None         # keep the newest N checkpoints (None: 3)
+    save_at_tokens: list[int] | None = None  # also publish the drafter once this many training tokens are seen
+                                         # (<out>/at-tokens/<N>/, never pruned): one run's learning curve
     trust_remote_code: bool = False      # let the target run its own modelling code
     warmup_ratio: float = 0.015          # linear warmup over this fraction of the steps (≥ 1 step)
     weight_decay: float = 0.0            # AdamW decoupled weight decay
@@ -65,6 +67,8 @@ class TrainConfig:
         r.save_every = self.save_every or 1000
         r.keep_last = 3 if self.keep_last is None else self.keep_last
         r.attention = self.attention if self.attention != "auto" else ("flex" if cuda else "eager")
+        if self.save_at_tokens is not None and (not self.save_at_tokens or min(self.save_at_tokens) < 1):
+            raise DraftportError(f"--save-at-tokens must list positive token counts (got {self.save_at_tokens})")
         if r.batch_size < 1 or r.ttt_steps < 1 or r.max_nonfinite_steps < 1:
             raise DraftportError(f"--batch-size, --ttt-steps and --max-nonfinite-steps must be at least 1 "
                                  f"(got {r.batch_size}, {r.ttt_steps}, {r.max_nonfinite_steps})")

@@ -185,8 +185,8 @@ def load_train_target(cfg: TrainConfig, device: torch.device, dtype: str):
 
 def request_config(cfg: TrainConfig, device: torch.device) -> dict:
     """The flags that decide the weights (not where output goes or how often it is written)."""
-    skip = {"out", "restart", "json", "val_every", "save_every", "keep_last", "log_every", "val_max_samples",
-            "max_nonfinite_steps", "compile"}  # compile: the same weights either way
+    skip = {"out", "restart", "json", "val_every", "save_every", "keep_last", "save_at_tokens", "log_every",
+            "val_max_samples", "max_nonfinite_steps", "compile"}  # compile: the same weights either way
     d = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name not in skip}
     for key in ("target", "data", "init_from"):
         if d[key] and os.path.exists(d[key]):
@@ -304,7 +304,8 @@ def newest_checkpoint(cfg: TrainConfig, out: str, console):
 
 
 def resume(latest, model, opt, info, fingerprint: dict, notes: dict):
-    """Restore model, optimizer and RNG from `latest` -> (step, notes, initial_val, last metrics, skipped)."""
+    """Restore model, optimizer and RNG from `latest` -> (step, notes, initial_val, last metrics, skipped,
+    training tokens seen before it)."""
     meta = ckpt.verify_checkpoint(latest)  # checksums first: a flipped byte is damage, not "other settings"
     diff = ckpt.config_mismatch(meta.get("config", {}), fingerprint)
     if diff:
@@ -312,7 +313,7 @@ def resume(latest, model, opt, info, fingerprint: dict, notes: dict):
                              "--restart to start over, or use another --out", latest)
     meta = ckpt.restore_training_state(latest, model, opt, info, skip=(EMBED,), verify=False)
     return (int(meta["step"]), meta.get("notes", notes), meta.get("initial_val"), meta.get("last_metrics", {}),
-            int(meta.get("skipped_steps", 0) or 0))
+            int(meta.get("skipped_steps", 0) or 0), int((meta.get("data") or {}).get("tokens_seen", 0) or 0))
 
 
 def _run(cfg: TrainConfig, info, target, console) -> dict:
@@ -352,9 +353,9 @@ def _run(cfg: TrainConfig, info, target, console) -> dict:
                    "draft_vocab_size": drafter.spec.draft_vocab_size, "data_fingerprint": data.fingerprint,
                    "num_train": len(train_idx), "dtype": dtype}
 
-    start, initial_val, last, skipped = 0, None, {}, 0
+    start, initial_val, last, skipped, seen0 = 0, None, {}, 0, 0
     if latest is not None:
-        start, notes, initial_val, last, skipped = resume(latest, model, opt, info, fingerprint, notes)
+        start, notes, initial_val, last, skipped, seen0 = resume(latest, model, opt, info, fingerprint, notes)
         console.print(f"resuming from {latest} (step {start} of {steps})")
 
     metrics_path = os.path.join(out, "metrics.jsonl")
@@ -376,10 +377,10 @@ def _run(cfg: TrainConfig, info, target, console) -> dict:
                     for i, x in enumerate(v):
                         writer.add_scalar(f"{key}/{i}", x, rec["step"])
 
-    def save(done: int, epoch: int, j: int) -> str:
+    def save(done: int, epoch: int, j: int, seen: int) -> str:
         meta = {"config": fingerprint, "notes": notes, "initial_val": initial_val, "last_metrics": last,
                 "skipped_steps": skipped,
-                "data": {"samples_seen": done * B, "epoch": epoch, "batch_in_epoch": j + 1},
+                "data": {"samples_seen": done * B, "epoch": epoch, "batch_in_epoch": j + 1, "tokens_seen": seen},
                 "scheduler": {"name": "warmup_cosine", "peak_lr": peak, "warmup": warmup, "total": steps,
                               "min_ratio": MIN_LR_RATIO, "next_lr": lr_at(done, steps, peak, warmup)}}
 
@@ -397,6 +398,8 @@ def _run(cfg: TrainConfig, info, target, console) -> dict:
         initial_val = validate(model, data, val_idx, layers, target, k, B, info, dev, amp, cache)
         log({"step": 0, **initial_val})
     sl, tokens, t0, final_path = parallel.rank_slice(B, info), 0, time.perf_counter(), None
+    # --save-at-tokens: the marks still ahead of this run (a resumed run has published the ones behind it)
+    marks = sorted(m for m in set(cfg.save_at_tokens or ()) if not ckpt.is_complete_milestone(out, m))
     bad_run = 0  # consecutive skipped steps (non-finite loss or gradient)
     pending: list = []  # (step, loss, gradient norm, skipped flag) of steps whose flag the host has not read
     progress = Progress(TextColumn("training"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
@@ -423,7 +426,10 @@ def _run(cfg: TrainConfig, info, target, console) -> dict:
             opt.zero_grad(set_to_none=True)
             done = step + 1
             pending.append((done, loss.detach(), gn.detach(), bad))
-            saving = done % save_every == 0 or done == steps
+            # a mark is near when this rank's share, scaled to all ranks, reaches it (exact on one process);
+            # the all-reduced count below decides
+            at_mark = bool(marks) and seen0 + tokens * info.world_size >= marks[0]
+            saving = done % save_every == 0 or done == steps or at_mark
             validating = bool(val_every and done % val_every == 0) or done == steps
             if device_guard and not (saving or validating or done % log_every == 0):
                 progress.update(task, completed=done)
@@ -455,7 +461,8 @@ def _run(cfg: TrainConfig, info, target, console) -> dict:
                 elapsed = time.perf_counter() - t0
                 rec = {"loss": sum(DEFAULT_DECAY ** i * v for i, v in enumerate(stats[0].tolist())),
                        "loss_steps": stats[0].tolist(), "acc": (stats[1] / stats[2].clamp_min(1)).tolist(),
-                       "lr": lr, "grad_norm": float(gn), "tokens": tok, "tok_s": tok / elapsed if elapsed else 0.0}
+                       "lr": lr, "grad_norm": float(gn), "tokens": tok, "tokens_seen": seen0 + int(tok),
+                       "tok_s": tok / elapsed if elapsed else 0.0}
                 progress.update(task, info=f"loss {rec['loss']:.3f}  acc0 {rec['acc'][0]:.2f}  "
                                            f"{rec['tok_s']:,.0f} tok/s")
             if validating:
@@ -467,7 +474,12 @@ def _run(cfg: TrainConfig, info, target, console) -> dict:
             if bad_run >= cfg.max_nonfinite_steps:  # stop before saving: the newest checkpoint stays the last good one
                 _stop_nonfinite(bad_run, done, out)
             if saving:
-                final_path = save(done, epoch, j)
+                seen = seen0 + int(parallel.all_reduce_sum(torch.tensor([float(tokens)], device=dev), info).item())
+                final_path = save(done, epoch, j, seen)
+                while marks and seen >= marks[0]:  # the learning curve's points: engine files, kept for good
+                    if info.is_main:
+                        ckpt.publish_milestone(final_path, out, marks[0], seen, done)
+                    marks.pop(0)
             progress.update(task, completed=done)
             if slow:
                 time.sleep(slow)
@@ -487,7 +499,8 @@ def _run(cfg: TrainConfig, info, target, console) -> dict:
         "resumed_from_step": start, "world_size": info.world_size, "ttt_steps": k, "batch_size": B,
         "aux_layers": layers, "draft_vocab_size": drafter.spec.draft_vocab_size, "vocab": notes,
         "num_train": len(train_idx), "num_val": len(val_idx), "tokens_per_s": last.get("tok_s"),
-        "seconds": seconds, "init_from": cfg.init_from, "skipped_steps": skipped})
+        "seconds": seconds, "init_from": cfg.init_from, "skipped_steps": skipped,
+        "milestones": ckpt.list_milestones(out) if cfg.save_at_tokens else None})
     if info.is_main:
         atomic_write_json(os.path.join(out, "summary.json"), summary)
         _render(console, summary)
