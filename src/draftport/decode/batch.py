@@ -1,0 +1,336 @@
+"""Batched plain generation (issue 21): many prompts through one static KV cache of B rows, for
+regeneration, where HF `generate` (left padding, a dynamic cache, a host sync per step) was the bottleneck.
+
+Layout: row r of the cache holds one sequence; its token at position p lives in slot p, so rows of
+different prompt lengths share the cache with no padding inside a sequence (HF's left padding shifts
+positions and needs a mask over the pad; here nothing shifts). Each forward passes per-row
+position_ids and a per-row 4D mask (slot j visible to a query at position p iff j <= p, and p - j <
+window on sliding layers), built the same way as decode/engine.py's masks.
+
+    prefill  new rows' prompts, eagerly, several rows a forward (right-padded to the longest piece,
+             at most cfg.prefill_tokens query tokens a forward; a longer prompt goes in pieces); the pad
+             tail writes slots that the row's decode overwrites before any query can see them;
+    decode   one token for all B rows a step, captured as one CUDA graph on CUDA (eager on the CPU,
+             the same function): the step writes each active row's token into an on-device output
+             buffer, counts it and flags the row done on a stop id or its token limit, so the host
+             looks only every cfg.check_every steps;
+    refill   rows found done are read back and given the next pending (prompt, sample): continuous
+             batching, so a long answer does not hold a batch of short ones hostage.
+
+Sampling draws from a seeded torch.Generator: the decode step's exponential noise is drawn eagerly
+just before each step (a graph replays kernels, not a generator's host-side offset), so a call with the
+same seed reproduces on both paths.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections import deque
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from draftport.decode import sampling
+from draftport.decode.graphs import attention_layout
+from draftport.errors import DraftportError
+
+MAX_STOP_IDS = 64  # stop ids a call may name (a fixed-size device buffer the graph compares against)
+
+
+@dataclass
+class BatchConfig:
+    batch_size: int = 128          # B: cache rows decoded together (GPUs want hundreds; CPUs a few)
+    max_len: int = 2048            # cache slots per row: prompt + answer; a row stops when it is full
+    temperature: float = 0.0       # 0 = greedy
+    top_p: float = 1.0             # nucleus warp, applied with the temperature
+    seed: int = 0                  # seeds the generator's torch.Generator (sampling only)
+    use_cuda_graphs: bool = True   # capture the decode step on CUDA (the CPU always runs it eagerly)
+    check_every: int = 16          # decode steps between host looks for finished rows (each look syncs)
+    prefill_tokens: int = 32768    # query tokens per prefill forward (bounds its activations and mask)
+
+    def checked(self) -> "BatchConfig":
+        if self.batch_size < 1 or self.max_len < 2 or self.check_every < 1 or self.prefill_tokens < 1:
+            raise DraftportError(f"batch generation needs batch_size, check_every, prefill_tokens >= 1 and max_len >= 2 "
+                                 f"(got {self.batch_size}, {self.check_every}, {self.prefill_tokens}, {self.max_len})")
+        if self.temperature < 0 or not 0 < self.top_p <= 1:
+            raise DraftportError(f"need temperature >= 0 and 0 < top_p <= 1 (got {self.temperature}, {self.top_p})")
+        return self
+
+
+# ---------------------------------------------------------------------------------------------
+# The cache: B rows, each written at its own slots
+# ---------------------------------------------------------------------------------------------
+
+class _RowLayer(CacheLayerMixin):
+    """One layer's K/V [B, Hkv, S, D]. `update` writes the new keys [b, Hkv, T, D] at the owner's
+    per-row `slots` [b, T], into all rows (owner.rows None: the decode step) or into rows
+    owner.rows [b] (a prefill), and returns those rows' whole buffers (the 4D mask does the rest)."""
+
+    is_compileable = True
+    is_sliding = False  # sliding windows live in the mask, as in decode/graphs.py
+
+    def __init__(self, owner: "RowCache"):
+        super().__init__()
+        self.owner = owner
+
+    def lazy_initialization(self, key_states, value_states):
+        H, D = key_states.shape[1], key_states.shape[-1]
+        self.keys = key_states.new_zeros(self.owner.batch, H, self.owner.max_len, D)
+        self.values = value_states.new_zeros(self.owner.batch, H, self.owner.max_len, value_states.shape[-1])
+        self.device, self.is_initialized = key_states.device, True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        slots, rows = self.owner.slots, self.owner.rows
+        idx = slots[:, None, :, None]
+        if rows is None:
+            self.keys.scatter_(2, idx.expand_as(key_states), key_states)
+            self.values.scatter_(2, idx.expand_as(value_states), value_states)
+            return self.keys, self.values
+        k, v = self.keys.index_select(0, rows), self.values.index_select(0, rows)
+        k.scatter_(2, idx.expand_as(key_states), key_states)
+        v.scatter_(2, idx.expand_as(value_states), value_states)
+        self.keys.index_copy_(0, rows, k)
+        self.values.index_copy_(0, rows, v)
+        return k, v
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.owner.max_len, 0
+
+    def get_seq_length(self) -> int:
+        return 0  # unused: every forward passes position_ids and a prepared mask
+
+    def get_max_length(self) -> int:
+        return self.owner.max_len
+
+
+class RowCache(Cache):
+    def __init__(self, num_layers: int, batch: int, max_len: int):
+        self.batch, self.max_len = batch, max_len
+        self.slots: torch.Tensor | None = None  # [b, T] int64, set before each forward
+        self.rows: torch.Tensor | None = None   # [b] int64 rows of a prefill; None = all B rows
+        super().__init__(layers=[_RowLayer(self) for _ in range(num_layers)])
+
+
+def row_masks(qpos: torch.Tensor, S: int, layer_types, windows, dtype) -> dict[str, torch.Tensor]:
+    """{layer type: additive mask [b, 1, T, S]} for queries at positions qpos [b, T] over a cache whose
+    slot j holds position j: causal, plus the sliding window on sliding layers."""
+    ar = torch.arange(S, device=qpos.device)
+    allowed = ar[None, None, :] <= qpos[:, :, None]                      # [b, T, S]
+    neg = torch.finfo(dtype).min
+    masks = {}
+    for kind, window in zip(layer_types, windows):
+        ok = allowed if window is None else allowed & (qpos[:, :, None] - ar[None, None, :] < window)
+        masks[kind] = torch.zeros(ok.shape, dtype=dtype, device=qpos.device).masked_fill(~ok, neg)[:, None]
+    return masks
+
+
+def fill_order(lengths: Sequence[int], budget: int) -> list[list[tuple[int, int, int]]]:
+    """Prefill plan for prompts of these lengths: forwards, each a list of (prompt index, start, end)
+    pieces, at most `budget` padded query tokens a forward; a prompt's pieces come in order, one per
+    forward (the later piece attends to the earlier one's cache). Similar lengths share a forward."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    rounds = max((-(-n // budget) for n in lengths), default=0)
+    plan = []
+    for r in range(rounds):
+        pieces = [(i, r * budget, min(lengths[i], (r + 1) * budget)) for i in order if lengths[i] > r * budget]
+        group, width = [], 0
+        for p in pieces:
+            w = max(width, p[2] - p[1])
+            if group and w * (len(group) + 1) > budget:
+                plan.append(group)
+                group, w = [], p[2] - p[1]
+            group.append(p)
+            width = w
+        if group:
+            plan.append(group)
+    return plan
+
+
+# ---------------------------------------------------------------------------------------------
+# The generator
+# ---------------------------------------------------------------------------------------------
+
+class BatchGenerator:
+    """Plain (no speculation) generation of many prompts, B rows at a time, continuously refilled.
+
+    target: an `HFTarget` (uses .model, .logits and the decoder). Cache, buffers and the CUDA graph
+    are built once and reused by every `generate` call."""
+
+    def __init__(self, target, cfg: BatchConfig | None = None):
+        self.cfg = (cfg or BatchConfig()).checked()
+        self.target = target
+        model = target.model
+        first = next(model.parameters())
+        self.device, self.dtype = first.device, first.dtype
+        text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        self._layer_types, self._windows = attention_layout(text)
+        self.decoder = model.get_decoder()
+        params = inspect.signature(self.decoder.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5.2x
+        B, S = self.cfg.batch_size, self.cfg.max_len
+        self.B, self.S = B, S
+        self.W = S  # output columns per row; column W is where inactive rows write (never read)
+        self.cache = RowCache(int(text.num_hidden_layers), B, S)
+        dev, long = self.device, torch.long
+        self.gen = torch.Generator(device=dev)
+        # decode state, updated in place by the step (static buffers for the graph)
+        self.tok = torch.zeros(B, dtype=long, device=dev)           # the token each row feeds next
+        self.pos = torch.zeros(B, dtype=long, device=dev)           # its position (= its cache slot)
+        self.cnt = torch.zeros(B, dtype=long, device=dev)           # tokens generated so far
+        self.limit = torch.ones(B, dtype=long, device=dev)          # tokens this row may generate
+        self.done = torch.ones(B, dtype=torch.bool, device=dev)     # finished (or empty) rows
+        self.out = torch.zeros(B, self.W + 1, dtype=long, device=dev)
+        self.stop = torch.full((MAX_STOP_IDS,), -1, dtype=long, device=dev)
+        self.sampled = self.cfg.temperature > 0
+        self.noise = torch.ones(B, int(target.vocab_size), dtype=torch.float32, device=dev) if self.sampled else None
+        self.use_graphs = bool(self.cfg.use_cuda_graphs) and self.device.type == "cuda"
+        self.graph = None
+
+    # -- the passes ---------------------------------------------------------------------------
+    def _forward(self, ids: torch.Tensor, qpos: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+        """Decoder over ids [b, T] at positions (= slots) qpos [b, T] of cache rows `rows` -> hidden [b, T, H]."""
+        self.cache.slots, self.cache.rows = qpos, rows
+        masks = row_masks(qpos, self.S, self._layer_types, self._windows, self.dtype)
+        mask = masks if len(masks) > 1 else next(iter(masks.values()))
+        out = self.decoder(input_ids=ids, position_ids=qpos, attention_mask=mask, use_cache=True,
+                           **{self._cache_kw: self.cache})
+        return out.last_hidden_state
+
+    def _pick(self, logits: torch.Tensor, noise: torch.Tensor | None) -> torch.Tensor:
+        """logits [b, V] -> next tokens [b]: argmax, or the exponential race over the warped p."""
+        if not self.sampled:
+            return logits.argmax(-1)
+        probs = sampling.warp_probs(logits, self.cfg.temperature, self.cfg.top_p)
+        return (probs / noise).argmax(-1)
+
+    def _step(self) -> None:
+        """One decode step for all B rows, state updated in place (the function the graph captures)."""
+        h = self._forward(self.tok[:, None], self.pos[:, None], None)[:, -1]
+        nxt = self._pick(self.target.logits(h), self.noise)                 # [B]
+        active = ~self.done
+        col = torch.where(active, self.cnt, self.W)
+        self.out.scatter_(1, col[:, None], nxt[:, None])
+        self.cnt.add_(active.long())
+        stopped = (nxt[:, None] == self.stop[None, :]).any(-1) | (self.cnt >= self.limit)
+        self.done.logical_or_(active & stopped)
+        self.pos.add_(active.long())
+        self.tok.copy_(torch.where(active, nxt, self.tok))
+
+    def _decode(self) -> None:
+        if self.sampled:  # drawn outside the graph, from the seeded generator
+            self.noise.exponential_(1.0, generator=self.gen)
+        if not self.use_graphs:
+            self._step()
+            return
+        if self.graph is None:
+            self._capture()
+        self.graph.replay()
+
+    def _capture(self) -> None:
+        """Capture the decode step. Warm-up and capture run it for real, so they run with every row
+        done: nothing is counted or written except K/V at each row's current slot, which no query sees
+        before a prefill or a decode step overwrites it."""
+        saved = self.done.clone()
+        self.done.fill_(True)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self._step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self._step()
+        self.graph = graph
+        self.done.copy_(saved)
+
+    def _prefill(self, rows: list[int], prompts: list[torch.Tensor], limits: list[int]) -> None:
+        """Write the prompts into cache rows `rows` and set their decode state; the first token of
+        each comes from its prompt's last position."""
+        dev = self.device
+        lengths = [int(p.shape[0]) for p in prompts]
+        last_h = [None] * len(rows)
+        for group in fill_order(lengths, self.cfg.prefill_tokens):
+            T = max(e - s for _, s, e in group)
+            ids = torch.zeros(len(group), T, dtype=torch.long, device=dev)
+            qpos = torch.empty(len(group), T, dtype=torch.long, device=dev)
+            t = torch.arange(T, device=dev)
+            for g, (i, s, e) in enumerate(group):
+                ids[g, :e - s] = prompts[i][s:e]
+                # the pad tail gets the positions after the piece, capped at the last slot, which never
+                # holds a token a query reads (a row stops before its cache is full)
+                qpos[g] = (s + t).clamp(max=self.S - 1)
+            rws = torch.tensor([rows[i] for i, _, _ in group], dtype=torch.long, device=dev)
+            h = self._forward(ids, qpos, rws)
+            for g, (i, s, e) in enumerate(group):
+                if e == lengths[i]:
+                    last_h[i] = h[g, e - s - 1]
+        logits = self.target.logits(torch.stack(last_h))                   # [b, V]
+        if self.sampled:
+            first = sampling.sample(sampling.warp_probs(logits, self.cfg.temperature, self.cfg.top_p), self.gen)
+        else:
+            first = logits.argmax(-1)
+        r = torch.tensor(rows, dtype=torch.long, device=dev)
+        lim = torch.tensor(limits, dtype=torch.long, device=dev)
+        self.out[r, 0] = first
+        self.cnt[r] = 1
+        self.tok[r] = first
+        self.pos[r] = torch.tensor(lengths, dtype=torch.long, device=dev)
+        self.limit[r] = lim
+        self.done[r] = (first[:, None] == self.stop[None, :]).any(-1) | (lim <= 1)
+
+    # -- generation ---------------------------------------------------------------------------
+    @torch.no_grad()
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, stop_ids: Sequence[int] = (),
+                 samples_per_prompt: int = 1, seed: int | None = None) -> list[list[int]]:
+        """Response token ids (new tokens only, a stop id included when hit, at most max_new_tokens, and
+        at most the row's room under max_len) for every (prompt, sample), in the order prompt0-sample0,
+        prompt0-sample1, ..., prompt1-sample0, ...  Reseeded each call with `seed` (default cfg.seed)."""
+        prompts = [torch.as_tensor(list(p), dtype=torch.long) for p in prompts]
+        if max_new_tokens < 1 or samples_per_prompt < 1:
+            raise DraftportError(f"need max_new_tokens >= 1 and samples_per_prompt >= 1 (got {max_new_tokens}, "
+                                 f"{samples_per_prompt})")
+        for i, p in enumerate(prompts):
+            if not 0 < p.shape[0] < self.S:
+                raise DraftportError(f"prompt {i} has {p.shape[0]} tokens; batch generation needs 1..{self.S - 1} "
+                                     f"(max_len {self.S})")
+        stop = sorted({int(s) for s in stop_ids})
+        if len(stop) > MAX_STOP_IDS:
+            raise DraftportError(f"{len(stop)} stop ids given; batch generation takes at most {MAX_STOP_IDS}")
+        self.stop.fill_(-1)
+        if stop:
+            self.stop[:len(stop)] = torch.tensor(stop, dtype=torch.long)
+        self.gen.manual_seed(self.cfg.seed if seed is None else seed)
+        prompts = [p.to(self.device) for p in prompts]
+        jobs = deque((i, k) for i in range(len(prompts)) for k in range(samples_per_prompt))
+        results: list[list[int] | None] = [None] * len(jobs)
+        row_job: list[int | None] = [None] * self.B
+        self.done.fill_(True)
+        self.cnt.zero_()
+        free = list(range(self.B))
+        while True:
+            if free and jobs:
+                take = [(free.pop(0), jobs.popleft()) for _ in range(min(len(free), len(jobs)))]
+                for row, (i, k) in take:
+                    row_job[row] = i * samples_per_prompt + k
+                self._prefill([row for row, _ in take], [prompts[i] for _, (i, _) in take],
+                              [min(max_new_tokens, self.S - prompts[i].shape[0]) for _, (i, _) in take])
+            if all(j is None for j in row_job):
+                break
+            if not bool(self.done.all()):  # rows finished at their first token need no step
+                for _ in range(self.cfg.check_every):
+                    self._decode()
+            done = self.done.tolist()                                       # the host look
+            finished = [r for r in range(self.B) if done[r] and row_job[r] is not None]
+            if finished:
+                idx = torch.tensor(finished, dtype=torch.long, device=self.device)
+                counts, rows = self.cnt[idx].tolist(), self.out[idx].tolist()
+                for r, c, toks in zip(finished, counts, rows):
+                    results[row_job[r]] = toks[:c]
+                    row_job[r] = None
+                free = sorted(free + finished)
+        return results  # type: ignore[return-value]
