@@ -11,8 +11,9 @@
 # by a call's time limit, and the curve reuses every finished eval):
 #   data    $OUT/data/{train,heldout}.jsonl: the prompts file split (the first HELDOUT prompts are held out)
 #   chat    the chat target, $OUT/chat-target (examples/make_chat_target.py; H200 ~140 s)
-#   train   `draftport train --regenerate` on the training prompts: regeneration (batched engine,
-#           SAMPLES answers a prompt at TEMPERATURE), then TRAIN_STEPS × TRAIN_BATCH online
+#   train   `draftport train --regenerate` on the training prompts: regeneration (REGEN_ENGINE, default the
+#           batch engine with REGEN_BATCH rows; SAMPLES answers a prompt at TEMPERATURE, saved chunk by chunk
+#           under $OUT/train-chat/regenerated/), then TRAIN_STEPS × TRAIN_BATCH online
 #   curve   examples/learning_curve.py over $OUT/train-chat's milestones and final drafter
 # Pick stages with STAGES (or the first argument), comma-separated; default all. DRY_RUN=1 prints the commands.
 #
@@ -21,7 +22,7 @@
 #   DRAFTPORT_PROMPTS    prompts JSONL (MT-bench layout {"id","turns"}; examples/make_study_data.py --prompts N)
 #   DRAFTPORT_CHAT_DATA  conversations for the chat fine-tuning (make_study_data.py --chat N --chat-skip S)
 #   OUT (default ./gpu-recipe), PYTHON (default python); DRAFTPORT_CACHE defaults to $OUT/cache
-# Sizes: HELDOUT=100 MAX_LEN=768 SAMPLES=2 TEMPERATURE=0.8 REGEN_NEW=256 REGEN_BATCH=256
+# Sizes: HELDOUT=100 MAX_LEN=768 SAMPLES=2 TEMPERATURE=0.8 REGEN_NEW=256 REGEN_BATCH=256 REGEN_ENGINE=batch
 #   TRAIN_STEPS=1000 TRAIN_BATCH=64 TRAIN_LR=1e-3 TTT=4 MARKS=500k,2M,5M,10M,20M SAVE_EVERY=250
 #   CHAT_STEPS=700 CHAT_BATCH=16 CHAT_CONVS=10520 CHAT_MAX_LEN=512
 #   EVAL_SAMPLES=10 EVAL_NEW_TOKENS=200 DEPTH=3 EXTRA_SETS=humaneval,mt-bench:math DEVICE=cuda
@@ -36,6 +37,7 @@ PROMPTS=${DRAFTPORT_PROMPTS:?set DRAFTPORT_PROMPTS to a prompts JSONL (examples/
 CHAT_DATA=${DRAFTPORT_CHAT_DATA:?set DRAFTPORT_CHAT_DATA to the chat fine-tuning conversations}
 HELDOUT=${HELDOUT:-100}; MAX_LEN=${MAX_LEN:-768}
 SAMPLES=${SAMPLES:-2}; TEMPERATURE=${TEMPERATURE:-0.8}; REGEN_NEW=${REGEN_NEW:-256}; REGEN_BATCH=${REGEN_BATCH:-256}
+REGEN_ENGINE=${REGEN_ENGINE:-batch}
 TRAIN_STEPS=${TRAIN_STEPS:-1000}; TRAIN_BATCH=${TRAIN_BATCH:-64}; TRAIN_LR=${TRAIN_LR:-1e-3}; TTT=${TTT:-4}
 MARKS=${MARKS:-500k,2M,5M,10M,20M}; SAVE_EVERY=${SAVE_EVERY:-250}
 CHAT_STEPS=${CHAT_STEPS:-700}; CHAT_BATCH=${CHAT_BATCH:-16}; CHAT_CONVS=${CHAT_CONVS:-10520}; CHAT_MAX_LEN=${CHAT_MAX_LEN:-512}
@@ -57,9 +59,14 @@ mkdir -p "$OUT/data"
 
 if want data; then
   if [ -f "$OUT/data/train.jsonl" ]; then echo "gpu_recipe: data exists, skipped"; else
-    run head -n "$HELDOUT" "$PROMPTS" > "$OUT/data/heldout.jsonl"
-    run tail -n "+$((HELDOUT + 1))" "$PROMPTS" > "$OUT/data/train.jsonl.tmp"
-    if [ -z "$DRY_RUN" ]; then mv "$OUT/data/train.jsonl.tmp" "$OUT/data/train.jsonl"; fi
+    # not through run(): its "+ command" line would land in the redirected file
+    echo "+ head -n $HELDOUT $PROMPTS > $OUT/data/heldout.jsonl"
+    echo "+ tail -n +$((HELDOUT + 1)) $PROMPTS > $OUT/data/train.jsonl"
+    if [ -z "$DRY_RUN" ]; then
+      head -n "$HELDOUT" "$PROMPTS" > "$OUT/data/heldout.jsonl"
+      tail -n "+$((HELDOUT + 1))" "$PROMPTS" > "$OUT/data/train.jsonl.tmp"
+      mv "$OUT/data/train.jsonl.tmp" "$OUT/data/train.jsonl"
+    fi
   fi
   lap "data"
 fi
@@ -76,7 +83,7 @@ if want train; then
   if [ -f "$OUT/train-chat/summary.json" ]; then echo "gpu_recipe: train-chat exists, skipped"; else
     run "$PY" -m draftport train --target "$CHAT" --chat-template gemma --data "$OUT/data/train.jsonl" \
         --regenerate --samples-per-prompt "$SAMPLES" --temperature "$TEMPERATURE" --max-new-tokens "$REGEN_NEW" \
-        --regen-batch-size "$REGEN_BATCH" --max-len "$MAX_LEN" --steps "$TRAIN_STEPS" --batch-size "$TRAIN_BATCH" \
+        --regen-batch-size "$REGEN_BATCH" --regen-engine "$REGEN_ENGINE" --max-len "$MAX_LEN" --steps "$TRAIN_STEPS" --batch-size "$TRAIN_BATCH" \
         --lr "$TRAIN_LR" --ttt-steps "$TTT" --lm-head-from-target --save-at-tokens "$MARKS" --save-every "$SAVE_EVERY" \
         --device "$DEVICE" --out "$OUT/train-chat"
   fi

@@ -165,13 +165,13 @@ def test_make_target_b_runs_on_the_shared_loop(examples_path, tmp_path, convs_fi
     assert main(["--target-a", str(a), "--data", str(no_code), "--out", str(tmp_path / "b2"), "--skip", "0"]) == 2
 
 
-def dry_run(tmp_path, stages: str, **env) -> list[str]:
-    """The commands examples/gpu_floor.sh would run for `stages` (DRY_RUN prints them, runs nothing)."""
+def dry_run(tmp_path, stages: str, script: str = "gpu_floor.sh", **env) -> list[str]:
+    """The commands examples/<script> would run for `stages` (DRY_RUN prints them, runs nothing)."""
     import os
     import subprocess
 
     full = {**os.environ, "DRY_RUN": "1", "OUT": str(tmp_path / "floor"), "STAGES": stages, **env}
-    res = subprocess.run(["bash", str(EXAMPLES / "gpu_floor.sh")], env=full, capture_output=True, text=True)
+    res = subprocess.run(["bash", str(EXAMPLES / script)], env=full, capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
     return [line[2:] for line in res.stdout.splitlines() if line.startswith("+ ")]
 
@@ -277,3 +277,39 @@ def test_learning_curve_evaluates_every_milestone_beside_the_floor(examples_path
     assert (tmp_path / "curve" / "mt-bench" / "1" / "summary.json").stat().st_mtime_ns == first
     assert "learning_curve: mt-bench at" not in capsys.readouterr().err
     assert (token_label(500_000), token_label(20_000_000), token_label(64_000)) == ("0.5M", "20M", "64k")
+
+
+def test_gpu_recipe_dry_run_commands_parse(tmp_path):
+    """Every command examples/gpu_recipe.sh runs is one its tool accepts: the train stage through the
+    CLI's own parser (regeneration flags included), the example scripts through theirs."""
+    import shlex
+
+    from draftport.cli import build_parser
+
+    env = dict(DRAFTPORT_PROMPTS="/d/prompts.jsonl", DRAFTPORT_CHAT_DATA="/d/chat.jsonl", DRAFTPORT_GGUF="/m/g.gguf")
+    cmds = dry_run(tmp_path, "all", script="gpu_recipe.sh", **env)
+    assert [c.split()[0] for c in cmds[:2]] == ["head", "tail"] and len(cmds) == 5
+    # the data stage for real: the split files hold the prompts and nothing else
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": str(i), "turns": [f"q{i}"]}) + "\n" for i in range(5)))
+    import os
+    import subprocess
+
+    out = tmp_path / "real"
+    res = subprocess.run(["bash", str(EXAMPLES / "gpu_recipe.sh"), "data"], capture_output=True, text=True,
+                         env={**os.environ, **env, "DRAFTPORT_PROMPTS": str(prompts), "OUT": str(out), "HELDOUT": "2"})
+    assert res.returncode == 0, res.stderr
+    assert (out / "data" / "heldout.jsonl").read_text() == "".join(prompts.read_text().splitlines(True)[:2])
+    assert len((out / "data" / "train.jsonl").read_text().splitlines()) == 3
+    train = shlex.split(cmds[3])
+    assert train[1:3] == ["-m", "draftport"]
+    args = build_parser().parse_args(train[3:])
+    assert args.verb == "train" and args.regenerate and args.regen_engine == "batch"
+    assert (args.samples_per_prompt, args.temperature, args.regen_batch_size) == (2, 0.8, 256)
+    assert args.save_at_tokens == [500_000, 2_000_000, 5_000_000, 10_000_000, 20_000_000]
+    assert args.chat_template == "gemma" and args.data.endswith("data/train.jsonl")
+    assert "make_chat_target.py --target-a /m/g.gguf --data /d/chat.jsonl" in cmds[2]
+    assert "learning_curve.py" in cmds[4] and "held-out=" in cmds[4]
+    with pytest.raises(SystemExit):  # an engine the tool does not have
+        build_parser().parse_args(["train", "--regen-engine", "vllm"])
+    assert dry_run(tmp_path, "curve", script="gpu_recipe.sh", **env)[0] == cmds[4]

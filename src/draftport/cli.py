@@ -125,6 +125,18 @@ def _add_lookup(p: argparse.ArgumentParser) -> None:
                    help="--hybrid: shortest match whose n-gram draft is used (default 2)")
 
 
+def _add_regen(p: argparse.ArgumentParser, batch_default: str) -> None:
+    """Regeneration (the target writes the answers first), spelled the same on capture and train."""
+    p.add_argument("--regenerate", action="store_true", help="replace assistant turns with the target's own responses")
+    p.add_argument("--samples-per-prompt", type=int, default=1, help="regeneration: answers per prompt")
+    p.add_argument("--regen-batch-size", type=int, default=None,
+                   help=f"regeneration: sequences generated together (default {batch_default}; GPUs want hundreds)")
+    p.add_argument("--regen-engine", default="batch", choices=["batch", "hf"],
+                   help="regeneration: batch = the static-cache batch engine (CUDA-graphed), hf = HF generate")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="regeneration: tokens per response")
+    p.add_argument("--temperature", type=float, default=0.0, help="regeneration temperature (0 = greedy)")
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse with the house error format: one line naming the problem and where to look, exit 2
     (argparse's own prints the whole usage block first)."""
@@ -166,13 +178,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("capture", help="target hidden states → a sharded store")
     _add_common(p, target=True, data=True, out=True, samples=True, device=True, seed=True, template=True)
     p.add_argument("--aux-layers", type=_aux_list, default=None, help="'input of decoder layer i' ids (default 2,L//2,L-3)")
-    p.add_argument("--regenerate", action="store_true", help="replace assistant turns with the target's own responses")
-    p.add_argument("--samples-per-prompt", type=int, default=1)
-    p.add_argument("--regen-batch-size", type=int, default=None,
-                   help="regeneration: prompts per batched generate (default --batch-size; GPUs want hundreds)")
+    _add_regen(p, batch_default="--batch-size")
     p.add_argument("--save-data", default=None, help="keep the regenerated conversations as JSONL")
-    p.add_argument("--max-new-tokens", type=int, default=None, help="regeneration: tokens per response")
-    p.add_argument("--temperature", type=float, default=0.0, help="regeneration temperature")
     p.add_argument("--restart", action="store_true", help="start over instead of resuming")
     p.add_argument("--shard-tokens", type=int, default=None, help="tokens per store shard (default: about 256 MiB per shard)")
 
@@ -195,6 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save-at-tokens", type=_token_counts, default=None,
                    help="also publish the drafter at these training-token counts, e.g. 500k,2M,20M "
                         "(<out>/at-tokens/<N>/, kept: a learning curve from one run)")
+    _add_regen(p, batch_default="8")
     p.add_argument("--max-nonfinite-steps", type=int, default=5,
                    help="NaN/Inf loss steps are skipped; this many in a row stop the run (exit 2)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,

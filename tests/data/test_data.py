@@ -236,15 +236,17 @@ def _greedy(target, prompt, max_new, stop_ids):
     return target.tokenizer.decode(out, skip_special_tokens=True).split("\nUser:")[0].strip()
 
 
+@pytest.mark.parametrize("engine", ["batch", "hf"])
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
-def test_regenerated_turns_are_the_targets_greedy_continuations(family):
+def test_regenerated_turns_are_the_targets_greedy_continuations(family, engine):
+    """Both engines give HF greedy's answers turn by turn (fp32), whatever the batching."""
     tg = tiny_target(family, seed=1)
     convs = [Conversation(id="a", messages=[{"role": "user", "content": "Hello, how are you today?"},
                                             {"role": "assistant", "content": "original answer"},
                                             {"role": "user", "content": "What is the capital of France?"}]),
              Conversation(id="b", messages=[{"role": "system", "content": "Be brief."},
                                             {"role": "user", "content": "Write a short story about a robot."}])]
-    out = regenerate(tg, convs, max_new_tokens=10, batch_size=2)
+    out = regenerate(tg, convs, max_new_tokens=10, batch_size=2, engine=engine)
     stops = stop_token_ids(tg.tokenizer, None, tg.eos_token_ids)
     assert [c.id for c in out] == ["a", "b"]
     a, b = out
@@ -254,8 +256,8 @@ def test_regenerated_turns_are_the_targets_greedy_continuations(family):
     # the second turn is answered given the target's own first answer
     assert a.messages[3]["content"] == _greedy(tg, encode_prompt(tg.tokenizer, a.messages[:3]), 10, stops)
     assert b.messages[2]["content"] == _greedy(tg, encode_prompt(tg.tokenizer, b.messages[:2]), 10, stops)
-    # batching (left padding) changes nothing
-    one_by_one = regenerate(tg, convs, max_new_tokens=10, batch_size=1)
+    # batching (left padding; shared cache rows) changes nothing
+    one_by_one = regenerate(tg, convs, max_new_tokens=10, batch_size=1, engine=engine)
     assert [c.messages for c in one_by_one] == [c.messages for c in out]
 
 

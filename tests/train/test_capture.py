@@ -188,9 +188,11 @@ def test_regenerated_data_is_saved_and_reused(tmp_path, data, tiny, monkeypatch)
 
 
 def test_regeneration_batches_prompts_by_regen_batch_size(tmp_path, data, tiny, monkeypatch):
-    """--regen-batch-size decides how many prompts one generate call takes (GPUs want hundreds), and a
-    saved chunk holds at least one such batch."""
+    """--regen-batch-size decides how many prompts one HF generate call takes (GPUs want hundreds), and a
+    saved chunk holds at least one such batch; the batch engine gets that many cache rows, one generator
+    for the whole capture, and every ready prompt of a chunk in one call."""
     import draftport.train.regenerate as regen_mod
+    from draftport.decode.batch import BatchGenerator
 
     seen = []
     real = regen_mod.generate_batch
@@ -200,9 +202,26 @@ def test_regeneration_batches_prompts_by_regen_batch_size(tmp_path, data, tiny, 
         return real(target, prompts, *a, **k)
 
     monkeypatch.setattr(regen_mod, "generate_batch", counting)
-    run_capture(make_cfg(tmp_path / "r", data, regenerate=True, max_new_tokens=3, max_samples=7, batch_size=2,
-                         regen_batch_size=5), target=tiny)
+    kw = dict(regenerate=True, max_new_tokens=3, max_samples=7, batch_size=2, regen_batch_size=5)
+    run_capture(make_cfg(tmp_path / "r", data, **kw, regen_engine="hf"), target=tiny)
     assert seen[0] == 5 and max(seen) == 5  # the first turns of 5 prompts in one call, not batches of 2
+
+    calls, built = [], []
+    real_gen, real_init = BatchGenerator.generate, BatchGenerator.__init__
+
+    def init(self, *a, **k):
+        built.append(1)
+        real_init(self, *a, **k)
+
+    def gen(self, prompts, *a, **k):
+        calls.append((self.B, len(prompts)))
+        return real_gen(self, prompts, *a, **k)
+
+    monkeypatch.setattr(BatchGenerator, "__init__", init)
+    monkeypatch.setattr(BatchGenerator, "generate", gen)
+    seen.clear()
+    run_capture(make_cfg(tmp_path / "b", data, **kw), target=tiny)
+    assert not seen and len(built) == 1 and calls[0] == (5, 7)  # 7 first turns through 5 refilled rows
 
 
 def test_shard_plan_and_batches():

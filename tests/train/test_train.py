@@ -117,6 +117,33 @@ def test_rerun_resumes_refuses_other_flags_and_restart_starts_over(store, tmp_pa
     assert rc == 0 and got["resumed_from_step"] == 0 and got["steps"] == 3
 
 
+def test_train_regenerate_equals_training_on_the_regenerated_file(store, tmp_path, monkeypatch):
+    """--regenerate: the target answers the prompts first (batch engine, two sampled answers a prompt),
+    then the run trains online on <out>/regenerated.jsonl, exactly as if that file were --data; a rerun
+    reuses the saved answers; a capture store cannot be regenerated."""
+    import draftport.train.regenerate as regen_mod
+
+    data = os.path.join(os.path.dirname(store), "cyc.jsonl")
+    kw = dict(regenerate=True, samples_per_prompt=2, temperature=0.8, max_new_tokens=24, regen_batch_size=16,
+              max_samples=20, steps=2)
+    out = tmp_path / "regen"
+    got = run_train(_cfg(data, out, **kw), console=QUIET)
+    regen = out / "regenerated.jsonl"
+    rows = [json.loads(line) for line in regen.read_text().splitlines()]
+    assert len(rows) > 20 and {r["id"].split("#")[1] for r in rows} == {"0", "1"}  # 20 prompts × 2 samples
+    ref = run_train(_cfg(str(regen), tmp_path / "plain", steps=2), console=QUIET)
+    assert got["num_train"] == ref["num_train"] and got["final_loss"] == ref["final_loss"]
+
+    def no_regeneration(*a, **k):
+        raise AssertionError("a rerun must reuse the saved answers")
+
+    monkeypatch.setattr(regen_mod, "regenerate", no_regeneration)
+    again = run_train(_cfg(data, out, **{**kw, "steps": 3}, restart=True), console=QUIET)
+    assert again["num_train"] == got["num_train"]
+    with pytest.raises(DraftportError, match="not a capture store"):
+        run_train(_cfg(store, tmp_path / "bad", **kw), console=QUIET)
+
+
 def test_store_layers_must_match_the_drafter(store, tmp_path):
     with pytest.raises(DraftportError, match=r"aux layers \[2, 4, 5\] but the drafter is fed \[1, 3, 5\]"):
         run_train(_cfg(store, tmp_path / "run", aux_layers=[1, 3, 5]), console=QUIET)

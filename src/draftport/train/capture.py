@@ -39,14 +39,15 @@ from draftport.data.store import MANIFEST, StoreWriter, bytes_per_token, clear_s
 DEFAULT_MAX_LEN = 2048
 DEFAULT_BATCH = 8
 SHARD_BYTES = 256 << 20  # default shard size: a few in flight overlap the disk with compute; a kill loses little
-REGEN_CHUNK = 64       # prompts per saved regeneration chunk
+REGEN_CHUNK = 64       # prompts per saved regeneration chunk (at least)
+REGEN_CHUNK_BATCHES = 8  # batch engine: a chunk holds this many batches' prompts (the last answers drain it)
 REGEN_DIR = "regenerated"
 REGEN_FILE = "regenerated.jsonl"
 TINY_TARGETS = {"tiny-llama": "llama", "tiny-qwen2": "qwen2", "tiny-gemma3": "gemma3"}
 # what must be equal to resume; "request" keys come straight from the flags (checked before the
 # target loads), the rest are derived from the target and the data
 REQUEST_KEYS = ("target", "data", "max_samples", "max_len", "chat_template", "regenerate", "samples_per_prompt",
-                "max_new_tokens", "temperature", "seed", "dtype", "regen_batch_size")
+                "max_new_tokens", "temperature", "seed", "dtype", "regen_batch_size", "regen_engine")
 IDENTITY = REQUEST_KEYS + ("aux_layers", "hidden_size", "shard_tokens", "data_sha256", "expected_samples")
 
 
@@ -66,6 +67,7 @@ class CaptureConfig:
     temperature: float = 0.0           # regeneration: 0 = greedy
     regen_batch_size: int | None = None  # regeneration: prompts per batched generate (None: --batch-size);
                                          # generation is host-bound per step, so GPUs want hundreds
+    regen_engine: str = "batch"        # regeneration: batch (static-cache batch engine) | hf (HF generate)
     chat_template: str | None = None   # named template; None: the tokenizer's own, else plain
     device: str | None = None          # cpu | cuda (None: cuda when available)
     dtype: str | None = None           # target compute dtype bf16 | fp32 (None: bf16 on cuda, fp32 on cpu)
@@ -128,6 +130,7 @@ def request_config(cfg: CaptureConfig) -> dict:
             "max_new_tokens": cfg.max_new_tokens if cfg.regenerate else None,
             "temperature": cfg.temperature if cfg.regenerate else None, "seed": cfg.seed,
             "regen_batch_size": (cfg.regen_batch_size or cfg.batch_size or DEFAULT_BATCH) if cfg.regenerate else None,
+            "regen_engine": cfg.regen_engine if cfg.regenerate else None,
             "dtype": cfg.dtype or ("bf16" if device.startswith("cuda") else "fp32")}
 
 
@@ -146,41 +149,62 @@ def _refuse_if_different(out: str, request: dict) -> None:
 def load_data(cfg: CaptureConfig, target, request: dict, console: Console) -> list:
     """The conversations to capture: loaded, or regenerated chunk by chunk (reusing saved chunks)."""
     from draftport.data import conversations as data_mod
-    from draftport.train import regenerate as regen_mod
 
     convs = data_mod.load_conversations(cfg.data, max_samples=cfg.max_samples)
     if not cfg.regenerate:
         return list(convs)
-    regen_dir = os.path.join(cfg.out, REGEN_DIR)
+    return regenerate_into(cfg.out, target, convs, request, console, samples_per_prompt=cfg.samples_per_prompt,
+                           max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, seed=cfg.seed,
+                           chat_template=cfg.chat_template)
+
+
+def regenerate_into(out: str, target, convs, request: dict, console: Console, *, samples_per_prompt: int,
+                    max_new_tokens: int | None, temperature: float, seed: int, chat_template: str | None,
+                    keys=REQUEST_KEYS, replace_other: bool = False) -> list:
+    """Regenerate `convs` in chunks saved under <out>/regenerated/ (a kill loses at most one chunk; a
+    rerun reuses the saved text), then write <out>/regenerated.jsonl. request: the caller's identity
+    (keys compared against the saved one; it holds max_len, regen_batch_size and regen_engine). Saved text
+    made with another request is refused, or with replace_other deleted and made again."""
+    from draftport.data import conversations as data_mod
+    from draftport.train import regenerate as regen_mod
+
+    regen_dir = os.path.join(out, REGEN_DIR)
     os.makedirs(regen_dir, exist_ok=True)
     meta_path = os.path.join(regen_dir, "request.json")
     if os.path.exists(meta_path):
-        mismatch = identity_mismatch(read_json(meta_path), request, REQUEST_KEYS)
-        if mismatch:
+        mismatch = identity_mismatch(read_json(meta_path), request, keys)
+        if mismatch and not replace_other:
             raise DraftportError(f"holds regenerated data made with a different config ({mismatch}); "
                                  "rerun with --restart to start over", regen_dir)
-    else:
+        if mismatch:
+            shutil.rmtree(regen_dir)
+            os.makedirs(regen_dir)
+    if not os.path.exists(meta_path):
         atomic_write_json(meta_path, request)
-    out = []
-    # a saved chunk holds at least one generate batch (chunking and batching decide the greedy text:
-    # left padding changes the numerics, so both are part of the request)
-    chunk = max(REGEN_CHUNK, request["regen_batch_size"])
-    chunks = range(0, len(convs), chunk)
+    result = []
+    B, engine = request["regen_batch_size"], request["regen_engine"]
+    # HF: a saved chunk holds at least one generate batch (chunking and batching decide the greedy text:
+    # left padding changes the numerics, so both are part of the request). The batch engine refills its
+    # rows inside a chunk, so a chunk of several batches keeps them full until its last answers.
+    chunk = max(REGEN_CHUNK, B) if engine == "hf" else max(REGEN_CHUNK, REGEN_CHUNK_BATCHES * B)
+    generator = None
     with _progress(console, unit="prompt") as progress:
         task = progress.add_task("regenerating", total=len(convs))
-        for ci, s in enumerate(chunks):
+        for ci, s in enumerate(range(0, len(convs), chunk)):
             path = os.path.join(regen_dir, f"chunk-{ci:05d}.jsonl")
             if not os.path.exists(path):
-                part = regen_mod.regenerate(target, convs[s:s + chunk], samples_per_prompt=cfg.samples_per_prompt,
-                                            max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                                            seed=cfg.seed + ci, batch_size=request["regen_batch_size"],
-                                            chat_template=cfg.chat_template, max_len=request["max_len"])
+                if engine == "batch" and generator is None:  # one cache and graph for every chunk
+                    generator = regen_mod.batch_generator(target, B, request["max_len"], temperature)
+                part = regen_mod.regenerate(target, convs[s:s + chunk], samples_per_prompt=samples_per_prompt,
+                                            max_new_tokens=max_new_tokens, temperature=temperature,
+                                            seed=seed + ci, batch_size=B, chat_template=chat_template,
+                                            max_len=request["max_len"], engine=engine, generator=generator)
                 data_mod.save_conversations(path, part)  # atomic: a chunk file is whole or absent
             # always the saved text, so a fresh run and a resumed one tokenize exactly the same data
-            out.extend(data_mod.load_conversations(path, quiet=True))
+            result.extend(data_mod.load_conversations(path, quiet=True))
             progress.update(task, advance=len(convs[s:s + chunk]))
-    data_mod.save_conversations(os.path.join(cfg.out, REGEN_FILE), out)
-    return out
+    data_mod.save_conversations(os.path.join(out, REGEN_FILE), result)
+    return result
 
 
 def tokenize_all(tokenizer, convs, chat_template, max_len, console: Console):
@@ -291,6 +315,8 @@ def run_capture(cfg: CaptureConfig, target=None, console: Console | None = None)
         raise DraftportError(f"--max-len must be at least 2, got {cfg.max_len}")
     if any(b is not None and b < 1 for b in (cfg.batch_size, cfg.regen_batch_size)) or cfg.samples_per_prompt < 1:
         raise DraftportError("--batch-size, --regen-batch-size and --samples-per-prompt must be at least 1")
+    if cfg.regen_engine not in ("batch", "hf"):
+        raise DraftportError(f"--regen-engine {cfg.regen_engine!r}: expected batch or hf")
     if cfg.shard_tokens is not None and cfg.shard_tokens < 1:
         raise DraftportError(f"--shard-tokens must be at least 1, got {cfg.shard_tokens}")
     out = cfg.out

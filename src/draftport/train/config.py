@@ -13,7 +13,7 @@ class TrainConfig:
     target: str                          # HF model dir, .gguf, 'gemma-3-270m', or tiny-llama / tiny-qwen2 / tiny-gemma3
     data: str                            # a capture store directory (offline), or conversations (online)
     out: str | None = None               # run directory: checkpoints/, metrics.jsonl, tb/, summary.json
-    max_samples: int | None = None       # first N samples of the data
+    max_samples: int | None = None       # first N samples of the data (with regenerate: N prompts, before fan-out)
     max_len: int | None = None           # online: tokens per sample (None: 2048)
     batch_size: int | None = None        # GLOBAL batch, split over ranks (None: 4)
     device: str | None = None            # cpu | cuda (None: cuda when available)
@@ -35,6 +35,13 @@ class TrainConfig:
     save_at_tokens: list[int] | None = None  # also publish the drafter once this many training tokens are seen
                                          # (<out>/at-tokens/<N>/, never pruned): one run's learning curve
     trust_remote_code: bool = False      # let the target run its own modelling code
+    regenerate: bool = False             # online: the target first writes the assistant turns (saved under
+                                         # <out>/regenerated/, resumable), then training reads its answers
+    samples_per_prompt: int = 1          # regeneration: answers per prompt (needs temperature > 0 to differ)
+    max_new_tokens: int | None = None    # regeneration: tokens per answer (None: train.regenerate's default)
+    temperature: float = 0.0             # regeneration sampling temperature (0 = greedy)
+    regen_batch_size: int | None = None  # regeneration: batch engine rows / HF generate batch (None: 8)
+    regen_engine: str = "batch"          # regeneration: batch (static-cache batch engine) | hf (HF generate)
     warmup_ratio: float = 0.015          # linear warmup over this fraction of the steps (≥ 1 step)
     weight_decay: float = 0.0            # AdamW decoupled weight decay
     max_grad_norm: float = 0.5           # gradient clipping (SpecForge's default)
@@ -72,6 +79,11 @@ class TrainConfig:
         if r.batch_size < 1 or r.ttt_steps < 1 or r.max_nonfinite_steps < 1:
             raise DraftportError(f"--batch-size, --ttt-steps and --max-nonfinite-steps must be at least 1 "
                                  f"(got {r.batch_size}, {r.ttt_steps}, {r.max_nonfinite_steps})")
+        if self.regenerate and ((self.regen_batch_size is not None and self.regen_batch_size < 1)
+                                or self.samples_per_prompt < 1 or self.regen_engine not in ("batch", "hf")):
+            raise DraftportError(f"regeneration needs --regen-batch-size and --samples-per-prompt >= 1 and "
+                                 f"--regen-engine batch|hf (got {self.regen_batch_size}, {self.samples_per_prompt}, "
+                                 f"{self.regen_engine!r})")
         if r.attention not in ("flex", "eager") or (r.attention == "flex" and not cuda):
             raise DraftportError(f"attention {self.attention!r}: expected eager, or flex on CUDA")
         if num_train is not None:

@@ -187,6 +187,8 @@ def request_config(cfg: TrainConfig, device: torch.device) -> dict:
     """The flags that decide the weights (not where output goes or how often it is written)."""
     skip = {"out", "restart", "json", "val_every", "save_every", "keep_last", "save_at_tokens", "log_every",
             "val_max_samples", "max_nonfinite_steps", "compile"}  # compile: the same weights either way
+    if not cfg.regenerate:  # regeneration settings decide nothing then (and runs made before them resume)
+        skip |= {"regenerate", "samples_per_prompt", "max_new_tokens", "temperature", "regen_batch_size", "regen_engine"}
     d = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name not in skip}
     for key in ("target", "data", "init_from"):
         if d[key] and os.path.exists(d[key]):
@@ -280,6 +282,33 @@ def open_run_dir(cfg: TrainConfig, info) -> tuple[str, dict]:
     return out, request
 
 
+def regenerated_data(cfg: TrainConfig, out: str, request: dict, target, info, console) -> TrainConfig:
+    """With --regenerate: the target answers the data's prompts first (rank 0, saved chunk by chunk
+    under <out>/regenerated/ so a killed run reuses what it wrote), and the run trains on
+    <out>/regenerated.jsonl; returns the config pointing there. Without: cfg unchanged."""
+    if not cfg.regenerate:
+        return cfg
+    from draftport.data.conversations import load_conversations
+    from draftport.train.capture import DEFAULT_BATCH, DEFAULT_MAX_LEN, REGEN_FILE, regenerate_into
+
+    if Samples.is_store(cfg.data):
+        raise bad_input(cfg.data, "--regenerate needs conversations or prompts, not a capture store")
+    path = os.path.join(out, REGEN_FILE)
+    if info.is_main:
+        keys = ("target", "data", "max_samples", "max_len", "chat_template", "samples_per_prompt", "max_new_tokens",
+                "temperature", "seed", "dtype", "regen_batch_size", "regen_engine")
+        regen_request = {k: request.get(k) for k in keys}
+        regen_request["max_len"] = cfg.max_len or DEFAULT_MAX_LEN
+        regen_request["regen_batch_size"] = cfg.regen_batch_size or DEFAULT_BATCH
+        convs = load_conversations(cfg.data, max_samples=cfg.max_samples)
+        regenerate_into(out, target, convs, regen_request, console, samples_per_prompt=cfg.samples_per_prompt,
+                        max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, seed=cfg.seed,
+                        chat_template=cfg.chat_template, keys=keys, replace_other=cfg.restart)
+    parallel.barrier(info)  # the other ranks read the file rank 0 wrote
+    # max_samples counted prompts before the fan-out: every regenerated answer is trained on
+    return dataclasses.replace(cfg, data=path, max_samples=None)
+
+
 def load_samples(cfg: TrainConfig, target, info, B: int, console):
     """-> (Samples, train indices, validation indices), the store's checksums verified first."""
     from draftport.data.conversations import split_train_val
@@ -332,7 +361,8 @@ def _run(cfg: TrainConfig, info, target, console) -> dict:
     if target is None:
         with console.status(f"loading target {cfg.target}"):
             target = load_train_target(cfg, dev, dtype)
-    data, train_idx, val_idx = load_samples(cfg, target, info, B, console)
+    data_cfg = regenerated_data(cfg, out, request, target, info, console)
+    data, train_idx, val_idx = load_samples(data_cfg, target, info, B, console)
     latest = newest_checkpoint(cfg, out, console)
     drafter, layers, notes = build_drafter(cfg, target, data, train_idx, console, latest is not None, dev)
     run = cfg.resolved(dev.type, distributed=info.distributed, num_train=len(train_idx))

@@ -25,10 +25,10 @@ class Samples:
 
     def __init__(self, data: str, target, console, *, max_samples: int | None = None, max_len: int | None = None,
                  chat_template: str | None = None):
-        from draftport.data.store import MANIFEST, Store
+        from draftport.data.store import Store
 
         self.target = target
-        self.offline = os.path.isdir(data) and os.path.isfile(os.path.join(data, MANIFEST))
+        self.offline = self.is_store(data)
         if self.offline:
             self.store = Store(data)
             if not self.store.complete:
@@ -57,6 +57,12 @@ class Samples:
             self.fingerprint = f"convs:{len(self.ids)}:{data_fingerprint(self.ids, self.masks)}"
         if len(self) < 2:
             raise bad_input(data, f"{len(self)} usable samples; training needs at least 2 (train + validation)")
+
+    @staticmethod
+    def is_store(data: str) -> bool:
+        from draftport.data.store import MANIFEST
+
+        return os.path.isdir(data) and os.path.isfile(os.path.join(data, MANIFEST))
 
     def verify(self, info: DistInfo) -> None:
         """Offline: the sha256 of every shard training reads, split over the ranks (each hashes 1/N of

@@ -1,0 +1,145 @@
+"""Regeneration throughput: the batch engine (decode/batch.py) against HF `generate`, same prompts, one run.
+
+What regeneration costs is generated tokens per second over many chat prompts, so both engines get
+the same prompts (the first turns of --prompts, encoded with --chat-template) and the same stop ids, and
+the figure is the answers' tokens (up to and including the stop id) over the wall time of the whole call
+(prefill included; each engine warmed up first on other prompts, so CUDA-graph capture and kernel
+autotuning are not in it):
+
+    hf        HF generate, left-padded batches of --hf-batch (what train/regenerate.py's `hf` engine runs)
+    batch_B   BatchGenerator with B rows, continuously refilled, for each B in --batch-sizes
+    big_B     the largest B over --big-n prompts (more prompts than rows: refill in steady state)
+
+greedy and, with --temperature > 0, sampled (several samples a prompt is the regeneration recipe).
+Also: the share of greedy answers identical between the engines (bf16 batched numerics differ a little,
+so this is a sanity figure, not the equality test: tests/decode/test_batch.py proves that in fp32).
+
+Prints one JSON line and writes it to --out. Example (the H200 run in BENCHMARKS.md):
+    python benchmarks/bench_generate.py --target chat-target --chat-template gemma --prompts prompts.jsonl \\
+        --n 512 --big-n 4096 --batch-sizes 128,256,512 --hf-batch 256 --max-new-tokens 256 --out gen.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import time
+
+import torch
+
+from draftport.data.chat import encode_prompt, resolve_chat_template, stop_token_ids
+from draftport.data.conversations import load_conversations
+from draftport.decode.batch import BatchConfig, BatchGenerator
+from draftport.model.target import load_target
+from draftport.train.regenerate import generate_ids_hf
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--target", required=True, help="HF dir, .gguf or gemma-3-270m")
+    p.add_argument("--chat-template", default=None)
+    p.add_argument("--prompts", default="sharegpt", help="conversations or prompts (first user turn used)")
+    p.add_argument("--n", type=int, default=256, help="prompts both engines answer")
+    p.add_argument("--big-n", type=int, default=0, help="prompts for the steady-state batch run (0: skip)")
+    p.add_argument("--batch-sizes", default="128,256", help="batch engine rows, comma-separated")
+    p.add_argument("--hf-batch", type=int, default=256)
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--max-len", type=int, default=1024, help="batch engine: cache slots a row (prompt + answer)")
+    p.add_argument("--temperature", type=float, default=0.8, help="the sampled runs' temperature (0: greedy only)")
+    p.add_argument("--samples", type=int, default=2, help="sampled runs: answers a prompt")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--out", default=None)
+    return p.parse_args(argv)
+
+
+def first_turn_prompts(target, data: str, n: int, template, max_len: int, offset: int = 0) -> list[list[int]]:
+    convs = load_conversations(data, max_samples=offset + 4 * n + 16)
+    out = []
+    for c in convs[offset:]:
+        user = next((m for m in c.messages if m["role"] == "user"), None)
+        if user is None:
+            continue
+        ids = encode_prompt(target.tokenizer, [user], template)
+        if len(ids) < max_len // 2:  # room for an answer in the batch engine's rows
+            out.append(list(ids))
+        if len(out) == n:
+            break
+    return out
+
+
+def sync(dev):
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn, dev):
+    sync(dev)
+    t0 = time.perf_counter()
+    rows = fn()
+    sync(dev)
+    dt = time.perf_counter() - t0
+    toks = sum(len(r) for r in rows)
+    return rows, {"tokens": toks, "seconds": round(dt, 3), "tok_s": round(toks / dt, 1),
+                  "answers": len(rows), "mean_answer": round(toks / max(1, len(rows)), 1)}
+
+
+def run_hf(target, prompts, args, stops, temperature, samples):
+    rows = []
+    expanded = [p for p in prompts for _ in range(samples)]
+    for s in range(0, len(expanded), args.hf_batch):
+        rows += generate_ids_hf(target, expanded[s:s + args.hf_batch], args.max_new_tokens, temperature,
+                                1.0, stops, (), seed=s)
+    return rows
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    dev = torch.device(args.device)
+    dtype = args.dtype or ("bf16" if dev.type == "cuda" else "fp32")
+    target = load_target(args.target, device=args.device, dtype=dtype)
+    template = resolve_chat_template(target.tokenizer, args.chat_template)
+    stops = list(stop_token_ids(target.tokenizer, template, target.eos_token_ids))
+    prompts = first_turn_prompts(target, args.prompts, args.n, template, args.max_len)
+    warm = first_turn_prompts(target, args.prompts, 16, template, args.max_len, offset=len(prompts) * 4 + 16)
+    sizes = [int(b) for b in args.batch_sizes.split(",")]
+    res = {"bench": "generate", "target": args.target, "device": torch.cuda.get_device_name(0) if dev.type == "cuda"
+           else platform.processor() or "cpu", "dtype": dtype, "torch": torch.__version__,
+           "date": time.strftime("%Y-%m-%d"), "prompts": len(prompts),
+           "mean_prompt": round(sum(map(len, prompts)) / max(1, len(prompts)), 1), "max_new_tokens": args.max_new_tokens,
+           "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()}
+    modes = [("greedy", 0.0, 1)] + ([("sampled", args.temperature, args.samples)] if args.temperature > 0 else [])
+    for mode, temp, samples in modes:
+        sec = res[mode] = {"temperature": temp, "samples_per_prompt": samples}
+        run_hf(target, warm[:4], args, stops, temp, 1)  # warm-up: kernels, allocator
+        hf_rows, sec["hf"] = timed(lambda: run_hf(target, prompts, args, stops, temp, samples), dev)
+        sec["hf"]["batch"] = args.hf_batch
+        for B in sizes:
+            gen = BatchGenerator(target, BatchConfig(batch_size=B, max_len=args.max_len, temperature=temp, seed=1))
+            gen.generate(warm, 32, stop_ids=stops)  # captures the decode graph
+            rows, sec[f"batch_{B}"] = timed(lambda: gen.generate(prompts, args.max_new_tokens, stop_ids=stops,
+                                                                 samples_per_prompt=samples), dev)
+            sec[f"batch_{B}"]["x_hf"] = round(sec[f"batch_{B}"]["tok_s"] / sec["hf"]["tok_s"], 2)
+            if mode == "greedy" and B == sizes[0]:
+                sec["identical_to_hf"] = round(sum(a == b for a, b in zip(rows, hf_rows)) / len(rows), 3)
+            if B == sizes[-1] and args.big_n:
+                big = first_turn_prompts(target, args.prompts, args.big_n, template, args.max_len)
+                _, sec[f"big_{B}"] = timed(lambda: gen.generate(big, args.max_new_tokens, stop_ids=stops,
+                                                                samples_per_prompt=samples), dev)
+                sec[f"big_{B}"]["x_hf"] = round(sec[f"big_{B}"]["tok_s"] / sec["hf"]["tok_s"], 2)
+            del gen
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+        print(json.dumps({mode: sec}), flush=True)
+    line = json.dumps(res)
+    print(line)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(line + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
