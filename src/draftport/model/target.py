@@ -513,7 +513,7 @@ def tiny_tokenizer(vocab_size: int = 512):
 
 def tiny_config(family: str = "llama", vocab_size: int = 512, **overrides):
     """HF config of a tiny model: H=64, 8 layers (so the default aux ids [2, 4, 5] are distinct)."""
-    from transformers import Gemma3TextConfig, LlamaConfig, Qwen2Config
+    from transformers import Gemma3TextConfig, LlamaConfig, Qwen2Config, Qwen3Config
 
     common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=8,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
@@ -527,6 +527,10 @@ def tiny_config(family: str = "llama", vocab_size: int = 512, **overrides):
     elif family == "qwen2":
         cfg = dict(common, tie_word_embeddings=True, rms_norm_eps=1e-6, use_sliding_window=False)
         cls = Qwen2Config
+    elif family == "qwen3":
+        # Qwen3's q/k norms; untied, with attention biases off as in the released models
+        cfg = dict(common, tie_word_embeddings=False, rms_norm_eps=1e-6, use_sliding_window=False)
+        cls = Qwen3Config
     elif family == "gemma3":
         # Gemma-3's shape in miniature: 5 sliding-window layers to 1 full, a window (8) shorter than test
         # sequences so the masks differ, logit softcapping on so the head path is exercised. Untied: with
@@ -537,7 +541,7 @@ def tiny_config(family: str = "llama", vocab_size: int = 512, **overrides):
                    query_pre_attn_scalar=16, final_logit_softcapping=30.0)
         cls = Gemma3TextConfig
     else:
-        raise DraftportError(f"unknown tiny family {family!r}; expected llama, qwen2 or gemma3")
+        raise DraftportError(f"unknown tiny family {family!r}; expected llama, qwen2, qwen3 or gemma3")
     cfg.update(overrides)
     if family == "gemma3" and "num_hidden_layers" in overrides and "layer_types" not in overrides:
         n = overrides["num_hidden_layers"]
@@ -547,13 +551,14 @@ def tiny_config(family: str = "llama", vocab_size: int = 512, **overrides):
 
 def tiny_target(family: str = "llama", seed: int = 0, *, aux_layers: Sequence[int] | None = None,
                 device: str | torch.device = "cpu", dtype: str | torch.dtype = "fp32", **overrides) -> HFTarget:
-    """A random tiny target (llama | qwen2 | gemma3) with a matching tiny tokenizer; same seed, same weights."""
-    from transformers import Gemma3ForCausalLM, LlamaForCausalLM, Qwen2ForCausalLM
+    """A random tiny target (llama | qwen2 | qwen3 | gemma3) with a matching tiny tokenizer; same seed, same weights."""
+    from transformers import Gemma3ForCausalLM, LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 
     tokenizer = tiny_tokenizer()
     vocab_size = overrides.pop("vocab_size", len(tokenizer))
     config = tiny_config(family, vocab_size=vocab_size, **overrides)
-    cls = {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM, "gemma3": Gemma3ForCausalLM}[family]
+    cls = {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM, "qwen3": Qwen3ForCausalLM,
+           "gemma3": Gemma3ForCausalLM}[family]
     config.architectures = [cls.__name__]
     config._attn_implementation = "sdpa"
     with torch.random.fork_rng(devices=[]):

@@ -1,0 +1,398 @@
+"""A native decoder for the target pass: Llama, Qwen2, Qwen3 and Gemma-3 (text) run as plain tensor code
+over the HF model's own weights, against the engine's static KV cache (issue 24).
+
+Why: the HF forward pays for its generality on every decode step: per layer a rotary module, mask and
+cache-kwarg plumbing, output capture hooks, three q/k/v and two gate/up matmuls where one would do, and
+(on a 1-token step of a small model) each of those is a kernel launch that costs more than its math. On
+the H200 the graphed HF step of Gemma-3-270M was 17x its HBM floor and 2x a plain PyTorch decoder of the
+same shape. This module is that plain decoder, reading the HF model's parameters:
+
+    weights    no copies. Per layer q/k/v (and their biases) are concatenated once into one [(Hq+2Hkv)·D, H]
+               matrix and gate/up into one [2I, H] matrix, and the HF parameters are re-pointed to views into
+               those (`param.data = fused[rows]`), so the model holds each weight once and the HF forward
+               (HF generate, capture, training) keeps working on the same storage; norms, o/down projections,
+               the embedding and the head are used as they are. Gemma's (1 + w) norm weight is precomputed in
+               fp32 (a few KB a layer, the target is frozen): one kernel less per norm.
+    rotary     cos/sin tables by position, built once per layer type from the HF rotary module's own
+               inv_freq and attention scaling (so Llama-3's scaled frequencies and Gemma-3's local and global
+               bases come out as HF computes them) and gathered per pass: no per-layer trig.
+    attention  scaled_dot_product_attention on the key/value heads, the G query heads of a group folded
+               into the query rows (as fusion.grouped_sdpa), so grouped-query attention never repeats the
+               cache; the caller's additive 4D masks ({layer type: mask}) carry causality, tree structure
+               and sliding windows exactly as on the HF path. K/V are written through the cache layers'
+               own `update` (decode/graphs.SlotCache for the engine, decode/batch.RowCache for batches),
+               so tree compaction (SlotCache.move) and per-row batches work unchanged.
+    outputs    logits for all rows or the last one only (a prefill needs one), through the head and the
+               model's logit post-processing (Gemma's final softcapping); aux states as HF's
+               output_hidden_states[i] (index 0 the embedding output after Gemma's sqrt(H) scale, index L
+               the final-normed output), for the requested layers only.
+    compile    optional (CUDA with fusion on): the two elementwise-heavy halves of a layer (norm, qkv
+               projection, q/k norms, rotary; o-projection, residuals, norms, MLP) each under torch.compile,
+               one compiled function shared by every layer (weights are arguments), the cache write and the
+               attention kernel left eager between them so the engine's kernel choice (--sdpa) still applies.
+
+`unsupported_reason(model)` says why a model cannot use this path (None when it can); `native_decoder(model)`
+builds the decoder once per model and returns the same one afterwards.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from draftport.model.target import apply_logit_postprocessing
+
+# HF config model_type -> family. Gemma-3's multimodal wrapper (model_type "gemma3") is not here: only
+# the text model (Gemma3ForCausalLM, "gemma3_text").
+FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3"}
+# RoPE variants whose frequencies change with the sequence length at run time (HF's dynamic_rope_update):
+# a fixed table cannot reproduce them.
+_DYNAMIC_ROPE = ("dynamic", "longrope")
+
+
+def _text_config(model):
+    cfg = model.config
+    return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+
+
+def unsupported_reason(model) -> str | None:
+    """Why `model` cannot run natively (one line), or None when it can."""
+    text = _text_config(model)
+    mt = getattr(text, "model_type", None)
+    if mt not in FAMILIES:
+        return f"model type {mt!r} has no native decoder (native: {', '.join(sorted(FAMILIES))})"
+    try:
+        decoder = model.get_decoder()
+        layers, head = decoder.layers, model.get_output_embeddings()
+        rotary, _norm, _embed = decoder.rotary_emb, decoder.norm, decoder.embed_tokens
+    except AttributeError as exc:
+        return f"the HF model's layout is not the one the native decoder reads ({exc})"
+    if head is None or getattr(head, "bias", None) is not None:
+        return "the output head is missing or has a bias"
+    if len(layers) != int(text.num_hidden_layers):
+        return "decoder layer count differs from the config"
+    rope_types = rotary.rope_type.values() if isinstance(rotary.rope_type, dict) else [rotary.rope_type]
+    if any(str(t) in _DYNAMIC_ROPE for t in rope_types):
+        return f"RoPE type {sorted(map(str, rope_types))} changes frequencies at run time"
+    if getattr(text, "attn_logit_softcapping", None) is not None:
+        return "attention logit softcapping is not implemented natively"
+    if getattr(text, "use_bidirectional_attention", False):
+        return "bidirectional attention is not a causal decoder"
+    kinds = set(getattr(text, "layer_types", None) or ["full_attention"])
+    if not kinds <= {"full_attention", "sliding_attention"}:
+        return f"layer types {sorted(kinds)} (native: full and sliding-window attention)"
+    attn = layers[0].self_attn
+    if getattr(attn.o_proj, "bias", None) is not None and mt == "gemma3_text":
+        return "unexpected o_proj bias"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# The math: plain functions of tensors and constants (what torch.compile sees)
+# ---------------------------------------------------------------------------------------------
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, unit_offset: bool) -> torch.Tensor:
+    """HF's two RMSNorm conventions, in their op order: Llama/Qwen w · (x̂ cast back), Gemma (x̂ · (1+w)) in
+    fp32 then cast (w here is that fp32 1+w, precomputed)."""
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if unit_offset:
+        return (y * w).to(x.dtype)
+    return w * y.to(x.dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+def attn_in(x, ln, wqkv, bqkv, qn, kn, cos, sin, *, hq: int, hkv: int, d: int, eps: float, unit_offset: bool):
+    """x [B, T, H] -> q [B, Hq, T, D], k, v [B, Hkv, T, D]: input norm, one qkv matmul, q/k norms, rotary.
+    cos/sin [B, T, D]."""
+    B, T, _ = x.shape
+    h = rms_norm(x, ln, eps, unit_offset)
+    qkv = F.linear(h, wqkv, bqkv)
+    q, k, v = qkv.split((hq * d, hkv * d, hkv * d), dim=-1)
+    q, k, v = q.view(B, T, hq, d), k.view(B, T, hkv, d), v.view(B, T, hkv, d)
+    if qn is not None:  # Qwen3 / Gemma-3: RMSNorm over each head's D before the rotation
+        q, k = rms_norm(q, qn, eps, unit_offset), rms_norm(k, kn, eps, unit_offset)
+    c, s = cos[:, :, None, :], sin[:, :, None, :]
+    q, k = _rotate(q, c, s), _rotate(k, c, s)
+    return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
+           scaling: float) -> torch.Tensor:
+    """q [B, Hq, T, D] over the cache keys/values [B, Hkv, S, D] -> [B, T, Hq·D]. The G = Hq/Hkv query
+    heads of a group become G·T query rows of their key/value head (row g·T + t is head kv·G + g, token t);
+    mask [B|1, 1, G·T or 1, S] is already laid out that way (NativeDecoder._masks)."""
+    B, Hq, T, D = q.shape
+    Hkv = keys.shape[1]
+    qf = q.reshape(B, Hkv, (Hq // Hkv) * T, D)
+    out = F.scaled_dot_product_attention(qf, keys, values, attn_mask=mask, scale=scaling)
+    return out.reshape(B, Hq, T, D).transpose(1, 2).reshape(B, T, Hq * D)
+
+
+def attn_out_mlp(x, a, wo, bo, ln_a, ln_b, ln_c, wgu, bgu, wdown, bdown, *, act, eps: float, unit_offset: bool,
+                 sandwich: bool):
+    """The rest of a layer: o-projection and residual, then the MLP and residual. sandwich (Gemma): the
+    attention and MLP outputs are normed too (ln_a after attention, ln_b before the MLP, ln_c after it);
+    otherwise ln_a is the post-attention (pre-MLP) norm."""
+    o = F.linear(a, wo, bo)
+    if sandwich:
+        o = rms_norm(o, ln_a, eps, unit_offset)
+        x = x + o
+        h = rms_norm(x, ln_b, eps, unit_offset)
+    else:
+        x = x + o
+        h = rms_norm(x, ln_a, eps, unit_offset)
+    g, u = F.linear(h, wgu, bgu).chunk(2, dim=-1)
+    m = F.linear(act(g) * u, wdown, bdown)
+    if sandwich:
+        m = rms_norm(m, ln_c, eps, unit_offset)
+    return x + m
+
+
+# ---------------------------------------------------------------------------------------------
+# Weights
+# ---------------------------------------------------------------------------------------------
+
+def _fuse_rows(linears: Sequence[torch.nn.Linear], what: str) -> torch.Tensor | None:
+    """One tensor holding the linears' `what` (weight or bias) stacked by rows, the HF parameters made
+    views into it (built once: the old per-projection tensors are freed when nothing else holds them)."""
+    parts = [getattr(m, what) for m in linears]
+    if all(p is None for p in parts):
+        return None
+    if any(p is None for p in parts):
+        raise ValueError(f"some projections have a {what} and some do not")
+    base = parts[0].data
+    sizes = [p.shape[0] for p in parts]
+    # already fused (a second decoder over the same model, or a rebuilt one): consecutive views of one storage
+    same = all(p.data.untyped_storage().data_ptr() == base.untyped_storage().data_ptr() for p in parts)
+    if same and all(p.data.is_contiguous() for p in parts):
+        off = base.storage_offset()
+        offsets = [p.data.storage_offset() for p in parts]
+        row = base[0].numel() if base.dim() > 1 else 1
+        if offsets == [off + sum(sizes[:i]) * row for i in range(len(parts))]:
+            return torch.empty(0, dtype=base.dtype, device=base.device).set_(
+                base.untyped_storage(), off, (sum(sizes), *base.shape[1:]), base.stride())
+    fused = torch.cat([p.data for p in parts], dim=0)
+    start = 0
+    for p, n in zip(parts, sizes):
+        p.data = fused[start:start + n]
+        start += n
+    return fused
+
+
+@dataclass
+class _Layer:
+    kind: str                      # its layer type (the mask / rotary table it reads)
+    ln_in: torch.Tensor
+    ln_a: torch.Tensor             # post-attention norm (Gemma: the attention output's; else the pre-MLP one)
+    ln_b: torch.Tensor | None      # Gemma: pre-MLP norm
+    ln_c: torch.Tensor | None      # Gemma: post-MLP norm
+    wqkv: torch.Tensor
+    bqkv: torch.Tensor | None
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    wo: torch.Tensor
+    bo: torch.Tensor | None
+    wgu: torch.Tensor
+    bgu: torch.Tensor | None
+    wdown: torch.Tensor
+    bdown: torch.Tensor | None
+    scaling: float
+    act: object = field(repr=False, default=None)
+
+
+@dataclass
+class NativeOutput:
+    logits: torch.Tensor | None    # [B, T or 1, V] (None when not asked for)
+    aux: torch.Tensor | None       # [B, T, n·H]: the requested layers' states, low → high as asked
+    last_hidden: torch.Tensor      # [B, T, H] after the final norm
+
+
+class NativeDecoder:
+    """The target pass over an HF model's weights. `forward(ids, pos, masks, cache, ...)`:
+        ids [B, T] token ids; pos [B, T] RoPE positions (< `positions`, see ensure_positions);
+        masks: {layer type: additive or boolean mask [B|1, 1, T, S]} or one mask for every layer;
+        cache: a Cache whose `layers[i].update(k, v)` writes layer i's new keys/values where its owner says
+        and returns that layer's full key/value buffers [B, Hkv, S, D] (SlotCache, RowCache)."""
+
+    def __init__(self, model, positions: int = 2048, compile: bool = False):
+        reason = unsupported_reason(model)
+        if reason is not None:
+            raise ValueError(reason)
+        text = _text_config(model)
+        self.model, self.config = model, text
+        self.family = FAMILIES[text.model_type]
+        decoder = model.get_decoder()
+        self.embed = decoder.embed_tokens
+        self.head_weight = model.get_output_embeddings().weight
+        self.num_layers = int(text.num_hidden_layers)
+        attn0 = decoder.layers[0].self_attn
+        self.hq = int(text.num_attention_heads)
+        self.hkv = int(text.num_key_value_heads)
+        self.d = int(getattr(attn0, "head_dim", None) or text.hidden_size // self.hq)
+        self.unit_offset = self.family == "gemma3"
+        self.sandwich = self.family == "gemma3"
+        self.eps = float(text.rms_norm_eps)
+        types = list(getattr(text, "layer_types", None) or ["full_attention"] * self.num_layers)
+        self.layers = [self._bind(layer, types[i]) for i, layer in enumerate(decoder.layers)]
+        self.final_norm = self._norm_weight(decoder.norm)
+        self._rotary = decoder.rotary_emb
+        self.kinds = list(dict.fromkeys(types))
+        self._tables: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._retired: list = []  # old tables: graphs captured against them must keep valid memory
+        self.positions = 0
+        self.ensure_positions(positions)
+        self.compiled = False
+        self._attn_in = functools.partial(attn_in, hq=self.hq, hkv=self.hkv, d=self.d, eps=self.eps,
+                                          unit_offset=self.unit_offset)
+        self._attn_out_mlp = functools.partial(attn_out_mlp, eps=self.eps, unit_offset=self.unit_offset,
+                                               sandwich=self.sandwich)
+        if compile:
+            self.enable_compile()
+
+    # -- binding the HF weights ---------------------------------------------------------------
+    def _norm_weight(self, norm) -> torch.Tensor:
+        w = norm.weight
+        return (1.0 + w.detach().float()) if self.unit_offset else w.detach()
+
+    def _bind(self, layer, kind: str) -> _Layer:
+        a, m = layer.self_attn, layer.mlp
+        wqkv = _fuse_rows([a.q_proj, a.k_proj, a.v_proj], "weight")
+        bqkv = _fuse_rows([a.q_proj, a.k_proj, a.v_proj], "bias")
+        wgu = _fuse_rows([m.gate_proj, m.up_proj], "weight")
+        bgu = _fuse_rows([m.gate_proj, m.up_proj], "bias")
+        qn = getattr(a, "q_norm", None)
+        kn = getattr(a, "k_norm", None)
+        if self.sandwich:
+            ln_a, ln_b, ln_c = (self._norm_weight(layer.post_attention_layernorm),
+                                self._norm_weight(layer.pre_feedforward_layernorm),
+                                self._norm_weight(layer.post_feedforward_layernorm))
+        else:
+            ln_a, ln_b, ln_c = self._norm_weight(layer.post_attention_layernorm), None, None
+        det = lambda t: None if t is None else t.detach()  # noqa: E731
+        return _Layer(kind=kind, ln_in=self._norm_weight(layer.input_layernorm), ln_a=ln_a, ln_b=ln_b, ln_c=ln_c,
+                      wqkv=wqkv.detach(), bqkv=det(bqkv),
+                      q_norm=None if qn is None else self._norm_weight(qn),
+                      k_norm=None if kn is None else self._norm_weight(kn),
+                      wo=a.o_proj.weight.detach(), bo=det(a.o_proj.bias), wgu=wgu.detach(), bgu=det(bgu),
+                      wdown=m.down_proj.weight.detach(), bdown=det(m.down_proj.bias),
+                      scaling=float(a.scaling), act=m.act_fn)
+
+    def still_bound(self) -> bool:
+        """False once the model's weights were replaced under us (e.g. `model.to(...)` re-allocates every
+        parameter): the fused tensors would then be stale and the decoder must be rebuilt."""
+        a = self.model.get_decoder().layers[0].self_attn
+        return (a.q_proj.weight.data_ptr() == self.layers[0].wqkv.data_ptr()
+                and self.model.get_output_embeddings().weight is self.head_weight)
+
+    # -- rotary tables ------------------------------------------------------------------------
+    def _inv_freq(self, kind: str) -> tuple[torch.Tensor, float]:
+        r = self._rotary
+        if hasattr(r, f"{kind}_inv_freq"):  # Gemma-3: one set per layer type (local and global bases)
+            return getattr(r, f"{kind}_inv_freq"), float(getattr(r, f"{kind}_attention_scaling"))
+        return r.inv_freq, float(r.attention_scaling)
+
+    def ensure_positions(self, n: int) -> None:
+        """Rotary tables for positions 0..n-1 at least (grown, never shrunk; call before capturing a
+        graph that reads positions up to n-1: a forward does not check, to stay free of host syncs)."""
+        if n <= self.positions:
+            return
+        n = max(int(n), 2 * self.positions)
+        dev, dt = self.head_weight.device, self.head_weight.dtype
+        pos = torch.arange(n, device=dev, dtype=torch.float32)
+        if self._tables:
+            self._retired.append(self._tables)
+        tables = {}
+        for kind in self.kinds:
+            inv, scale = self._inv_freq(kind)
+            freqs = pos[:, None] * inv.to(device=dev, dtype=torch.float32)[None, :]  # HF's op order, fp32
+            emb = torch.cat((freqs, freqs), dim=-1)
+            tables[kind] = ((emb.cos() * scale).to(dt), (emb.sin() * scale).to(dt))
+        self._tables, self.positions = tables, n
+
+    # -- compile ------------------------------------------------------------------------------
+    def enable_compile(self) -> None:
+        """The two halves of a layer under torch.compile (CUDA; the engine asks only with fusion on). A
+        compile failure falls back to the plain function with a warning (fusion._FallBack)."""
+        from draftport.model.fusion import _FallBack, raise_recompile_limit
+
+        raise_recompile_limit(64)  # T = 1, verify widths, prefill lengths, aux on and off
+        self._attn_in = _FallBack(self._attn_in, torch.compile(self._attn_in, dynamic=None))
+        self._attn_out_mlp = _FallBack(self._attn_out_mlp, torch.compile(self._attn_out_mlp, dynamic=None))
+        self._attn_in.__name__, self._attn_out_mlp.__name__ = "native_attn_in", "native_attn_out_mlp"
+        self.compiled = True
+
+    def report(self) -> dict:
+        fails = {f.__name__: f.failed for f in (self._attn_in, self._attn_out_mlp) if getattr(f, "failed", None)}
+        return {"family": self.family, "layers": self.num_layers, "compiled": self.compiled,
+                "rope_positions": self.positions, "compile_failures": fails}
+
+    # -- the pass -----------------------------------------------------------------------------
+    def _masks(self, masks, T: int) -> dict:
+        """{layer type: mask laid out for `attend`'s folded query rows}, made once per pass (not per layer).
+        Additive or boolean masks alike: SDPA takes both."""
+        if not isinstance(masks, dict):
+            masks = {kind: masks for kind in self.kinds}
+        G = self.hq // self.hkv
+        out = {}
+        for kind in self.kinds:
+            m = masks[kind]
+            if m is not None and G > 1 and T > 1 and m.shape[2] != 1:
+                m = m.repeat(1, 1, G, 1)                          # row g·T + t sees mask row t
+            out[kind] = m
+        return out
+
+    def forward(self, ids: torch.Tensor, pos: torch.Tensor, masks, cache, aux_layers: Sequence[int] = (),
+                logits: str | None = "all") -> NativeOutput:
+        """logits: "all" (every row), "last" (the last row only) or None (hidden states only)."""
+        B, T = ids.shape
+        x = self.embed(ids)
+        flat = pos.reshape(-1)
+        rope = {kind: (c.index_select(0, flat).view(B, T, -1), s.index_select(0, flat).view(B, T, -1))
+                for kind, (c, s) in self._tables.items()}
+        masks = self._masks(masks, T)
+        want = set(int(i) for i in aux_layers)
+        grabbed: dict[int, torch.Tensor] = {}
+        for i, L in enumerate(self.layers):
+            if i in want:
+                grabbed[i] = x
+            cos, sin = rope[L.kind]
+            q, k, v = self._attn_in(x, L.ln_in, L.wqkv, L.bqkv, L.q_norm, L.k_norm, cos, sin)
+            keys, values = cache.layers[i].update(k, v)
+            a = attend(q, keys, values, masks[L.kind], L.scaling)
+            x = self._attn_out_mlp(x, a, L.wo, L.bo, L.ln_a, L.ln_b, L.ln_c, L.wgu, L.bgu, L.wdown, L.bdown,
+                                   act=L.act)
+        last = rms_norm(x, self.final_norm, self.eps, self.unit_offset)
+        aux = None
+        if aux_layers:
+            aux = torch.cat([grabbed[i] if i < self.num_layers else last for i in aux_layers], dim=-1)
+        out_logits = None
+        if logits is not None:
+            h = last[:, -1:] if logits == "last" else last
+            out_logits = apply_logit_postprocessing(F.linear(h, self.head_weight), self.model.config)
+        return NativeOutput(logits=out_logits, aux=aux, last_hidden=last)
+
+    __call__ = forward
+
+
+def native_decoder(model, positions: int = 2048, compile: bool = False) -> NativeDecoder:
+    """The model's native decoder, built once (the fused weights are the model's own from then on) and
+    shared by every engine over it; its rotary tables grown to `positions`, compile switched on if asked."""
+    dec = getattr(model, "_draftport_native", None)
+    if dec is None or not dec.still_bound():
+        dec = NativeDecoder(model, positions=positions, compile=compile)
+        # plain attribute (not a submodule: nn.Module.__setattr__ would register nothing for a non-Module,
+        # but object.__setattr__ keeps it out of __dict__ lookups by state_dict and friends either way)
+        object.__setattr__(model, "_draftport_native", dec)
+    dec.ensure_positions(positions)
+    if compile and not dec.compiled:
+        dec.enable_compile()
+    return dec
