@@ -41,7 +41,23 @@ import torch
 from draftport.decode import sampling
 from draftport.decode.graphs import SDPA_CHOICES, Graphed, GraphSet, SlotCache, attention_layout
 from draftport.model.fusion import FusedTarget
+from draftport.model.native import native_decoder, unsupported_reason
 from draftport.errors import DraftportError
+
+TARGET_PASSES = ("auto", "hf", "native")
+
+
+def choose_target_pass(model, choice: str) -> str:
+    """"native" or "hf" for this model: auto takes native where the architecture has one; asking for
+    native on one that has none is refused with the reason."""
+    if choice == "hf":
+        return "hf"
+    reason = unsupported_reason(model)
+    if reason is None:
+        return "native"
+    if choice == "native":
+        raise DraftportError(f"--target-pass native: {reason}; use --target-pass hf (or auto)")
+    return "hf"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -67,6 +83,8 @@ class EngineConfig:
     ngram_no_match: str = "step"         # prompt lookup alone, a cycle whose lookup found no match: "step"
                                          # verifies the last token only (a plain step), "pad" verifies k
                                          # drafts of the last token anyway (one verify shape)
+    target_pass: str = "auto"            # the target's forward: "native" (model/native.py, Llama / Qwen2 / Qwen3 /
+                                         # Gemma-3), "hf" (the HF modules), "auto" (native where supported)
 
     @property
     def is_tree(self) -> bool:
@@ -92,6 +110,8 @@ class EngineConfig:
             raise DraftportError(f"sdpa must be one of {', '.join(SDPA_CHOICES)} (got {self.sdpa!r})")
         if self.ngram_no_match not in ("step", "pad"):
             raise DraftportError(f"ngram_no_match must be 'step' or 'pad' (got {self.ngram_no_match!r})")
+        if self.target_pass not in TARGET_PASSES:
+            raise DraftportError(f"target_pass must be one of {', '.join(TARGET_PASSES)} (got {self.target_pass!r})")
         return dataclasses.replace(self, depth=depth, num_draft_tokens=nodes)
 
 
@@ -167,7 +187,14 @@ class SpecEngine:
         # eager on the CPU too (same code path as the captured graph, so the CPU tests cover it)
         self._whole_phase = self.cfg.graph_draft_phase
         fuse = self.cfg.fuse if self.cfg.fuse is not None else self.device.type == "cuda"
-        self.fused = FusedTarget(self.model) if fuse else None
+        self._fuse = fuse
+        self.target_pass_kind = choose_target_pass(self.model, self.cfg.target_pass)
+        # native: the HF modules are not run, so their norms need no compiled stand-ins; its own layer
+        # halves are compiled instead, on CUDA only (never on the CPU, where Inductor would build C++)
+        self.native = None
+        if self.target_pass_kind == "native":
+            self.native = native_decoder(self.model, positions=self.S, compile=fuse and self.device.type == "cuda")
+        self.fused = FusedTarget(self.model) if fuse and self.native is None else None
         self.dfused = None
         self.aux_layers: list[int] = []
         if drafter is not None:
@@ -192,7 +219,7 @@ class SpecEngine:
         self.aux_layers = layers
         self.dcache = drafter.new_cache(1, self.S, device=self.device)
         # the drafter's own RMSNorms compiled too (its step is ~1/10 of a verify, run k times a cycle)
-        self.dfused = FusedTarget(drafter) if self.fused is not None else None
+        self.dfused = FusedTarget(drafter) if self._fuse else None
         # draft id -> target id, [Vd]
         self.d2t_ids = drafter.to_target_ids(torch.arange(spec.draft_vocab_size, device=self.device))
 
@@ -224,17 +251,23 @@ class SpecEngine:
             masks[kind] = torch.zeros(1, 1, T, self.S, dtype=self.dtype, device=self.device).masked_fill(~ok, neg)
         return masks
 
-    def _target_fn(self, with_aux: bool):
+    def _target_fn(self, with_aux: bool, last_only: bool = False):
         def run(ids, n, depths, tree_mask):
             T = ids.shape[1]
             slots = self._ar[:T] + n
             pos = n + depths
             self.cache.slots = slots
             masks = self._target_masks(slots, pos, n, tree_mask)
+            if self.native is not None:
+                out = self.native.forward(ids, pos[None], masks, self.cache,
+                                          aux_layers=self.aux_layers if with_aux else (),
+                                          logits="last" if last_only else "all")
+                return (out.logits[0],) if not with_aux else (out.logits[0], out.aux[0])
             mask = masks if len(masks) > 1 else next(iter(masks.values()))
+            keep = {"logits_to_keep": 1} if last_only else {}
             with self.fused.active() if self.fused is not None else contextlib.nullcontext():
                 out = self.model(input_ids=ids, position_ids=pos[None], attention_mask=mask, use_cache=True,
-                                 output_hidden_states=with_aux, **{self._cache_kw: self.cache})
+                                 output_hidden_states=with_aux, **{self._cache_kw: self.cache}, **keep)
             logits = out.logits[0]                                         # [T, V] via the model's own head
             if not with_aux:
                 return (logits,)
@@ -243,15 +276,17 @@ class SpecEngine:
         return run
 
     def target_pass(self, ids: torch.Tensor, n: torch.Tensor, depths: torch.Tensor, tree_mask: torch.Tensor,
-                    graphed: bool = True):
+                    graphed: bool = True, last_logits: bool = False):
         """Target forward over T tokens ids [T] at positions n + depths [T], KV written to slots
         n..n+T-1, token i seeing slots < n and the tokens j with tree_mask[i, j].
-        Returns (logits [T, V], aux [T, n·Ht] or None)."""
+        Returns (logits [T, V] — [1, V], the last row's, with last_logits — , aux [T, n·Ht] or None).
+        last_logits is for the prefill, which reads one row: the head over all T rows of a long prompt
+        (T × V, 262k columns for Gemma) would cost more than the rest of the pass."""
         with_aux = self.drafter is not None
-        fn = self._target_fn(with_aux)
+        fn = self._target_fn(with_aux, last_logits)
         args = (ids[None], n, depths, tree_mask)
         if graphed:
-            out = self.graphs.call_target(f"target{int(with_aux)}", fn, *args)
+            out = self.graphs.call_target(f"target{int(with_aux)}{'_last' if last_logits else ''}", fn, *args)
         else:
             out = self.graphs.eager_target(fn, *args)
         return out[0], (out[1] if with_aux else None)
@@ -312,7 +347,7 @@ class SpecEngine:
         # Prefill (eager: one shape per prompt length would only fill the graph cache).
         zero = self._zero
         causal = torch.ones(P, P, dtype=torch.bool, device=self.device).tril()
-        logits, aux = self.target_pass(prompt, zero, self._ar[:P], causal, graphed=False)
+        logits, aux = self.target_pass(prompt, zero, self._ar[:P], causal, graphed=False, last_logits=True)
         last = self._pick(logits[-1])
         state = None
         if self.drafter is not None:
