@@ -1,0 +1,224 @@
+"""model/native.py: the native decoder == the HF forward (fp32, CPU) for Llama, Qwen2, Qwen3 and Gemma-3.
+
+Each family's tiny random model (target.tiny_target) runs a prefill, a 1-token step after it and a k-token
+verify through the native decoder over the engine's static cache (decode/graphs.SlotCache), and the logits
+and aux states (HF's output_hidden_states[i], i in 0..L) are compared with one full HF forward over the
+whole sequence. Gemma-3's sliding window (8) is shorter than the sequences, its local and global RoPE bases
+differ, and a query_pre_attn_scalar other than head_dim is tested on its own. Biases (Qwen2's qkv, a
+Llama with attention and MLP biases) are made non-zero first: HF initialises them to zero, which would
+hide a bias left out. Tolerances: fp32 logits of magnitude ~15 agree to ~5e-5; the residual stream grows
+to ~500 in these wide-initialised models, so aux states are compared relative to their scale.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from draftport.decode.batch import RowCache, row_masks
+from draftport.decode.graphs import SlotCache, attention_layout
+from draftport.model.native import NativeDecoder, native_decoder, unsupported_reason
+from draftport.model.target import tiny_target
+
+FAMILIES = ["llama", "qwen2", "qwen3", "gemma3"]
+ATOL = 1e-4
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "rope_theta": 500000.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+VARIANTS = FAMILIES + ["llama_bias", "llama3_rope"]
+
+
+def _randomise_biases(model, seed: int = 0) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, torch.nn.Linear) and m.bias is not None:
+                m.bias.copy_(torch.randn(m.bias.shape, generator=g) * 0.5)
+
+
+def _target(family: str, **overrides):
+    if family == "llama_bias":
+        t = tiny_target("llama", attention_bias=True, mlp_bias=True, **overrides)
+    elif family == "llama3_rope":  # Llama-3.1's scaled frequencies (a short original context so they bite)
+        t = tiny_target("llama", rope_parameters=LLAMA3_ROPE, **overrides)
+    else:
+        t = tiny_target(family, **overrides)
+    _randomise_biases(t.model)
+    return t
+
+
+@pytest.fixture(scope="module")
+def targets():
+    return {fam: _target(fam) for fam in VARIANTS}
+
+
+def _masks(model, pos: torch.Tensor, S: int, full_only: bool = False) -> dict:
+    """{layer type: additive [1, 1, T, S]} for queries at positions pos [T] over slots holding positions
+    0..S-1: causal, plus the window on sliding layers (the engine's rule)."""
+    types, windows = attention_layout(model.config)
+    ar = torch.arange(S)
+    out = {}
+    for kind, w in zip(types, windows):
+        ok = ar[None, :] <= pos[:, None]
+        if w is not None and not full_only:
+            ok = ok & (pos[:, None] - ar[None, :] < w)
+        out[kind] = torch.zeros(1, 1, pos.shape[0], S).masked_fill(~ok, torch.finfo(torch.float32).min)
+    return out
+
+
+def _seq(seed: int, n: int) -> torch.Tensor:
+    return torch.randint(4, 500, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def _aux_ids(t) -> list[int]:
+    return sorted({0, 2, 5, t.num_layers})  # embedding output, two inner layers, the final-normed output
+
+
+def _reference(t, seq: torch.Tensor, aux_ids):
+    with torch.no_grad():
+        out = t.model(seq, output_hidden_states=True)
+    return out.logits[0], torch.cat([out.hidden_states[i] for i in aux_ids], dim=-1)[0]
+
+
+def _close_aux(got: torch.Tensor, want: torch.Tensor) -> bool:
+    return bool(torch.allclose(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max())))
+
+
+def _run(dec, cache, seq, start: int, end: int, S: int, aux_ids, logits="all"):
+    """Tokens seq[start:end] at positions start.., written to slots start.."""
+    pos = torch.arange(start, end)
+    cache.slots = pos
+    with torch.no_grad():
+        return dec.forward(seq[:, start:end], pos[None], _masks(dec.model, pos, S), cache, aux_layers=aux_ids,
+                           logits=logits)
+
+
+@pytest.mark.parametrize("family", VARIANTS)
+def test_prefill_step_and_verify_match_hf(targets, family):
+    t = targets[family]
+    total, P, k, S = 22, 12, 4, 32
+    seq = _seq(1, total)
+    aux_ids = _aux_ids(t)
+    ref_logits, ref_aux = _reference(t, seq, aux_ids)
+    dec = NativeDecoder(t.model, positions=S)
+    cache = SlotCache(t.num_layers, S)
+    # prefill: every row's logits and aux states
+    out = _run(dec, cache, seq, 0, P, S, aux_ids)
+    assert torch.allclose(out.logits[0], ref_logits[:P], atol=ATOL)
+    assert _close_aux(out.aux[0], ref_aux[:P])
+    # the 1-token step after the prefill
+    out = _run(dec, cache, seq, P, P + 1, S, aux_ids)
+    assert torch.allclose(out.logits[0], ref_logits[P:P + 1], atol=ATOL)
+    assert _close_aux(out.aux[0], ref_aux[P:P + 1])
+    # a k-token verify after that (positions P+1..P+k: for Gemma past the window of 8 from the prompt start)
+    out = _run(dec, cache, seq, P + 1, P + 1 + k, S, aux_ids)
+    assert torch.allclose(out.logits[0], ref_logits[P + 1:P + 1 + k], atol=ATOL)
+    assert _close_aux(out.aux[0], ref_aux[P + 1:P + 1 + k])
+    # last-row logits only (the engine's prefill), same values
+    cache2 = SlotCache(t.num_layers, S)
+    last = _run(dec, cache2, seq, 0, P, S, (), logits="last")
+    assert last.aux is None and last.logits.shape[1] == 1
+    assert torch.allclose(last.logits[0, 0], ref_logits[P - 1], atol=ATOL)
+
+
+def test_gemma3_sliding_window_and_rope_bases():
+    """A 24-token prompt over a window of 8, with query_pre_attn_scalar 24 (not head_dim 16) and distinct
+    local / global RoPE bases: native == HF, while the same pass with the window dropped differs (so the
+    comparison does see the window)."""
+    t = _target("gemma3", query_pre_attn_scalar=24, rope_local_base_freq=500.0)
+    text = t.model.config
+    assert text.sliding_window == 8 and "full_attention" in text.layer_types
+    S, total = 32, 24
+    seq = _seq(3, total)
+    aux_ids = _aux_ids(t)
+    ref_logits, ref_aux = _reference(t, seq, aux_ids)
+    dec = NativeDecoder(t.model, positions=S)
+    cos_local, cos_global = dec._tables["sliding_attention"][0], dec._tables["full_attention"][0]
+    assert not torch.allclose(cos_local[5], cos_global[5])  # two bases, two tables
+    out = _run(dec, SlotCache(t.num_layers, S), seq, 0, total, S, aux_ids)
+    assert torch.allclose(out.logits[0], ref_logits, atol=ATOL)
+    assert _close_aux(out.aux[0], ref_aux)
+    pos = torch.arange(total)
+    cache = SlotCache(t.num_layers, S)
+    cache.slots = pos
+    with torch.no_grad():
+        wide = dec.forward(seq, pos[None], _masks(t.model, pos, S, full_only=True), cache)
+    assert torch.allclose(wide.logits[0, :8], ref_logits[:8], atol=ATOL)   # inside the window: the same
+    assert (wide.logits[0, 8:] - ref_logits[8:]).abs().max() > 1e-2        # past it: not
+
+
+def test_weights_are_shared_not_copied():
+    """The fused qkv / gate-up tensors hold the HF parameters as views: parameter storage stays the same
+    size, and the HF forward gives what it gave before (a second decoder reuses the fused storage)."""
+    t = _target("qwen2")
+    m = t.model
+
+    def storage_bytes():
+        seen = {}
+        for p in m.parameters():
+            s = p.untyped_storage()
+            seen[s.data_ptr()] = s.nbytes()
+        return sum(seen.values())
+
+    seq = _seq(4, 10)
+    with torch.no_grad():
+        before = m(seq).logits
+    nbytes = storage_bytes()
+    dec = native_decoder(m, positions=16)
+    a = m.model.layers[3].self_attn
+    L3 = dec.layers[3]
+    assert a.q_proj.weight.data_ptr() == L3.wqkv.data_ptr()
+    assert a.k_proj.weight.untyped_storage().data_ptr() == L3.wqkv.untyped_storage().data_ptr()
+    assert a.v_proj.bias.untyped_storage().data_ptr() == L3.bqkv.untyped_storage().data_ptr()
+    assert m.model.layers[3].mlp.up_proj.weight.untyped_storage().data_ptr() == L3.wgu.untyped_storage().data_ptr()
+    assert storage_bytes() <= nbytes
+    with torch.no_grad():
+        assert torch.equal(m(seq).logits, before)
+    assert native_decoder(m, positions=64) is dec and dec.positions >= 64        # built once, tables grown
+    again = NativeDecoder(m, positions=16)                                        # already fused: no new tensor
+    assert again.layers[3].wqkv.data_ptr() == L3.wqkv.data_ptr()
+    assert storage_bytes() <= nbytes
+
+
+def test_batched_rows_with_their_own_positions(targets):
+    """Two rows of different lengths in a RowCache (decode/batch.py's per-row slots and masks): each row's
+    last-position logits == HF's full forward of that row alone."""
+    t = targets["gemma3"]
+    dec = native_decoder(t.model, positions=64)
+    S = 32
+    types, windows = attention_layout(t.model.config)
+    cache = RowCache(t.num_layers, 2, S)
+    a, b = _seq(5, 14)[0], _seq(6, 9)[0]
+    ids = torch.zeros(2, 14, dtype=torch.long)
+    ids[0], ids[1, :9] = a, b
+    qpos = torch.arange(14).repeat(2, 1)
+    cache.slots, cache.rows = qpos, torch.tensor([0, 1])
+    with torch.no_grad():
+        pre = dec.forward(ids, qpos, row_masks(qpos, S, types, windows, torch.float32), cache, logits="all")
+        ra, rb = t.model(a[None]).logits[0], t.model(b[None]).logits[0]
+    assert torch.allclose(pre.logits[0, 13], ra[13], atol=ATOL)
+    assert torch.allclose(pre.logits[1, 8], rb[8], atol=ATOL)
+    # one decode step for both rows, each at its own position (14 and 9)
+    nxt = torch.tensor([[int(ra[13].argmax())], [int(rb[8].argmax())]])
+    qpos = torch.tensor([[14], [9]])
+    cache.slots, cache.rows = qpos, None
+    with torch.no_grad():
+        step = dec.forward(nxt, qpos, row_masks(qpos, S, types, windows, torch.float32), cache)
+        ra2 = t.model(torch.cat([a, nxt[0]])[None]).logits[0, -1]
+        rb2 = t.model(torch.cat([b, nxt[1]])[None]).logits[0, -1]
+    assert torch.allclose(step.logits[0, 0], ra2, atol=ATOL)
+    assert torch.allclose(step.logits[1, 0], rb2, atol=ATOL)
+
+
+def test_unsupported_architectures_say_why():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    m = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32, bos_token_id=1,
+                                   eos_token_id=2))
+    reason = unsupported_reason(m)
+    assert reason is not None and "gpt2" in reason
+    with pytest.raises(ValueError):
+        NativeDecoder(m)
+    for fam in FAMILIES:
+        assert unsupported_reason(tiny_target(fam, num_hidden_layers=4).model) is None
+    dynamic = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}  # frequencies move with the length
+    assert "RoPE" in unsupported_reason(tiny_target("llama", num_hidden_layers=4, rope_parameters=dynamic).model)
