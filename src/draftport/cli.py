@@ -111,6 +111,9 @@ def _add_common(p: argparse.ArgumentParser, *, target=False, data=False, out=Fal
                        help="compiled norms / rotary and grouped attention in the target pass (default: on CUDA)")
         p.add_argument("--sdpa", default="auto", choices=["auto", "default", "efficient", "math", "cudnn"],
                        help="target attention kernel; auto: graphed passes time each and keep the fastest")
+        p.add_argument("--target-pass", default="auto", choices=["auto", "hf", "native"],
+                       help="the target's forward: native (Llama, Qwen2, Qwen3, Gemma-3 over the HF weights), hf (the HF "
+                            "modules); auto: native where the architecture has one")
     if json:
         p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 

@@ -136,10 +136,14 @@ def test_cli_eval_json_and_generate(tiny, tmp_path, capsys):
     spec = json.loads(capsys.readouterr().out)
     assert {"text", "token_ids", "accept_len", "tok_s"} <= set(spec)
     assert len(spec["token_ids"]) == 16 and spec["accept_len"] > 1.0
-    assert spec["engine"] == {"fused": False, "sdpa": "auto", "cuda_graphs": False, "sdpa_choices": {}}
+    assert spec["engine"] == {"fused": False, "sdpa": "auto", "cuda_graphs": False, "target_pass": "native",
+                              "sdpa_choices": {}}
     assert main(common + ["--drafter", tiny["drafter_dir"], "--json", "--sdpa", "math", "--no-fuse"]) == 0
     math_run = json.loads(capsys.readouterr().out)                           # the flags reach the engine
     assert math_run["engine"]["sdpa"] == "math" and math_run["token_ids"] == spec["token_ids"]
+    assert main(common + ["--drafter", tiny["drafter_dir"], "--json", "--target-pass", "hf"]) == 0
+    hf_run = json.loads(capsys.readouterr().out)                             # the HF modules: the same tokens
+    assert hf_run["engine"]["target_pass"] == "hf" and hf_run["token_ids"] == spec["token_ids"]
     assert main(common + ["--json"]) == 0
     plain = json.loads(capsys.readouterr().out)
     assert plain["token_ids"] == spec["token_ids"] and plain["accept_len"] == 1.0

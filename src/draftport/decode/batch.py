@@ -35,6 +35,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from draftport.decode import sampling
 from draftport.decode.graphs import attention_layout
 from draftport.errors import DraftportError
+from draftport.model.native import TARGET_PASSES, choose_target_pass, native_decoder
 
 MAX_STOP_IDS = 64  # stop ids a call may name (a fixed-size device buffer the graph compares against)
 
@@ -49,6 +50,7 @@ class BatchConfig:
     use_cuda_graphs: bool = True   # capture the decode step on CUDA (the CPU always runs it eagerly)
     check_every: int = 16          # decode steps between host looks for finished rows (each look syncs)
     prefill_tokens: int = 32768    # query tokens per prefill forward (bounds its activations and mask)
+    target_pass: str = "auto"      # the decoder's forward: native | hf | auto (native where supported)
 
     def checked(self) -> "BatchConfig":
         if self.batch_size < 1 or self.max_len < 2 or self.check_every < 1 or self.prefill_tokens < 1:
@@ -56,6 +58,8 @@ class BatchConfig:
                                  f"(got {self.batch_size}, {self.check_every}, {self.prefill_tokens}, {self.max_len})")
         if self.temperature < 0 or not 0 < self.top_p <= 1:
             raise DraftportError(f"need temperature >= 0 and 0 < top_p <= 1 (got {self.temperature}, {self.top_p})")
+        if self.target_pass not in TARGET_PASSES:
+            raise DraftportError(f"target_pass must be one of {', '.join(TARGET_PASSES)} (got {self.target_pass!r})")
         return self
 
 
@@ -175,6 +179,11 @@ class BatchGenerator:
         self.B, self.S = B, S
         self.W = S  # output columns per row; column W is where inactive rows write (never read)
         self.cache = RowCache(int(text.num_hidden_layers), B, S)
+        # the native decoder reads per-row positions and [b, 1, T, S] masks and writes through RowCache's
+        # layers as HF's forward does, so the batch takes it as it is (uncompiled unless an engine on the
+        # same model compiled it: one decoder per model)
+        self.target_pass_kind = choose_target_pass(model, self.cfg.target_pass)
+        self.native = native_decoder(model, positions=S) if self.target_pass_kind == "native" else None
         dev, long = self.device, torch.long
         self.gen = torch.Generator(device=dev)
         # decode state, updated in place by the step (static buffers for the graph)
@@ -195,6 +204,8 @@ class BatchGenerator:
         """Decoder over ids [b, T] at positions (= slots) qpos [b, T] of cache rows `rows` -> hidden [b, T, H]."""
         self.cache.slots, self.cache.rows = qpos, rows
         masks = row_masks(qpos, self.S, self._layer_types, self._windows, self.dtype)
+        if self.native is not None:
+            return self.native.forward(ids, qpos, masks, self.cache, logits=None).last_hidden
         mask = masks if len(masks) > 1 else next(iter(masks.values()))
         out = self.decoder(input_ids=ids, position_ids=qpos, attention_mask=mask, use_cache=True,
                            **{self._cache_kw: self.cache})

@@ -41,23 +41,8 @@ import torch
 from draftport.decode import sampling
 from draftport.decode.graphs import SDPA_CHOICES, Graphed, GraphSet, SlotCache, attention_layout
 from draftport.model.fusion import FusedTarget
-from draftport.model.native import native_decoder, unsupported_reason
+from draftport.model.native import TARGET_PASSES, choose_target_pass, native_decoder
 from draftport.errors import DraftportError
-
-TARGET_PASSES = ("auto", "hf", "native")
-
-
-def choose_target_pass(model, choice: str) -> str:
-    """"native" or "hf" for this model: auto takes native where the architecture has one; asking for
-    native on one that has none is refused with the reason."""
-    if choice == "hf":
-        return "hf"
-    reason = unsupported_reason(model)
-    if reason is None:
-        return "native"
-    if choice == "native":
-        raise DraftportError(f"--target-pass native: {reason}; use --target-pass hf (or auto)")
-    return "hf"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -44,6 +44,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
+from draftport.errors import DraftportError
 from draftport.model.target import apply_logit_postprocessing
 
 # HF config model_type -> family. Gemma-3's multimodal wrapper (model_type "gemma3") is not here: only
@@ -52,6 +53,7 @@ FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text":
 # RoPE variants whose frequencies change with the sequence length at run time (HF's dynamic_rope_update):
 # a fixed table cannot reproduce them.
 _DYNAMIC_ROPE = ("dynamic", "longrope")
+TARGET_PASSES = ("auto", "hf", "native")  # EngineConfig.target_pass, BatchConfig.target_pass, --target-pass
 
 
 def _text_config(model):
@@ -89,6 +91,19 @@ def unsupported_reason(model) -> str | None:
     if getattr(attn.o_proj, "bias", None) is not None and mt == "gemma3_text":
         return "unexpected o_proj bias"
     return None
+
+
+def choose_target_pass(model, choice: str) -> str:
+    """"native" or "hf" for this model: auto takes native where the architecture has one; native asked
+    for on one that has none is refused with the reason."""
+    if choice == "hf":
+        return "hf"
+    reason = unsupported_reason(model)
+    if reason is None:
+        return "native"
+    if choice == "native":
+        raise DraftportError(f"--target-pass native: {reason}; use --target-pass hf (or auto)")
+    return "hf"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -253,8 +268,13 @@ class NativeDecoder:
         self.compiled = False
         self._attn_in = functools.partial(attn_in, hq=self.hq, hkv=self.hkv, d=self.d, eps=self.eps,
                                           unit_offset=self.unit_offset)
-        self._attn_out_mlp = functools.partial(attn_out_mlp, eps=self.eps, unit_offset=self.unit_offset,
-                                               sandwich=self.sandwich)
+        # one activation object for every layer, bound here: passed per call, each layer's own module
+        # instance would be a new guard for torch.compile, i.e. a recompile per layer
+        acts = {type(L.act) for L in self.layers}
+        if len(acts) != 1:
+            raise ValueError(f"layers use different activations ({sorted(a.__name__ for a in acts)})")
+        self._attn_out_mlp = functools.partial(attn_out_mlp, act=self.layers[0].act, eps=self.eps,
+                                               unit_offset=self.unit_offset, sandwich=self.sandwich)
         if compile:
             self.enable_compile()
 
@@ -368,8 +388,7 @@ class NativeDecoder:
             q, k, v = self._attn_in(x, L.ln_in, L.wqkv, L.bqkv, L.q_norm, L.k_norm, cos, sin)
             keys, values = cache.layers[i].update(k, v)
             a = attend(q, keys, values, masks[L.kind], L.scaling)
-            x = self._attn_out_mlp(x, a, L.wo, L.bo, L.ln_a, L.ln_b, L.ln_c, L.wgu, L.bgu, L.wdown, L.bdown,
-                                   act=L.act)
+            x = self._attn_out_mlp(x, a, L.wo, L.bo, L.ln_a, L.ln_b, L.ln_c, L.wgu, L.bgu, L.wdown, L.bdown)
         last = rms_norm(x, self.final_norm, self.eps, self.unit_offset)
         aux = None
         if aux_layers:
