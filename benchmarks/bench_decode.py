@@ -18,14 +18,23 @@ time budget first and is skipped, with a note, when too little is left):
                  match rate — needs --drafter and a target with a tokenizer; each carries eval's
                  `floor` (prompt lookup on the same prompts) and, with --hybrid, `hybrid`;
                  `--drafter ngram` evaluates prompt lookup itself (chain sections only)
+    target_pass  each --target-pass side by side (e.g. `--target-pass hf,native`, issue 24), same target, same
+                 run: 1-token step, verify of 4 and 8 tokens (with and without aux capture), verify-8 / step,
+                 step / HBM floor, prefill of --prefill-lens tokens (ms and tokens/s, aux captured as the
+                 engine's prefill does) and the no-speculation engine's tok/s; the other sections use the first
+                 pass listed
     llama8b      (--llama8b) a Llama-3.1-8B-shaped target with random bf16 weights built on the GPU, and a
-                 random drafter of its shape: steps, roofline, engine and chain tok/s — timing only
+                 random drafter of its shape: steps, roofline, target passes side by side, engine and chain
+                 tok/s — timing only
 
 Prints one JSON line and writes it to --out. Example (the lead's H200 run):
     python benchmarks/bench_decode.py --target gemma-3-270m --drafter runs/train/final --device cuda \\
         --dtype bf16 --prompts-n 20 --max-new-tokens 256 --llama8b --budget-s 540 --out bench.json
 `--target random:gemma-3-270m` (or random:llama-3.1-8b) builds that shape with random weights and no
 tokenizer: timings only, on random prompt ids.
+The native decoder against the HF modules (issue 24):
+    python benchmarks/bench_decode.py --target random:gemma-3-270m --device cuda --dtype bf16 \
+        --target-pass hf,native --llama8b --out bench-native.json
 """
 
 from __future__ import annotations
@@ -88,9 +97,19 @@ def parse_args(argv=None):
     p.add_argument("--datasets", default="mt-bench,humaneval")
     p.add_argument("--work-dir", default=None, help="where eval runs write (default: a temp dir)")
     p.add_argument("--out", default=None, help="JSON file to write the result line to")
+    p.add_argument("--target-pass", default="auto",
+                   help="comma list of target passes (auto, hf, native) timed side by side in the target_pass "
+                        "section; the other sections use the first")
+    p.add_argument("--prefill-lens", default="128,512", help="prompt lengths the target_pass section prefills")
     p.add_argument("--profile", default=None, help="write torch-profiler kernel tables of a 1-token step and an "
                                                    "8-token verify (graphs off, to see each kernel) to this file")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.target_passes = [x.strip() for x in args.target_pass.split(",") if x.strip()]
+    bad = [x for x in args.target_passes if x not in ("auto", "hf", "native")]
+    if bad or not args.target_passes:
+        p.error(f"--target-pass takes a comma list of auto, hf, native (got {args.target_pass!r})")
+    args.prefill_lens = [int(x) for x in args.prefill_lens.split(",") if x.strip()]
+    return args
 
 
 class Budget:
@@ -194,11 +213,17 @@ def random_prompts(target, n: int, length: int = 128, seed: int = 0) -> list[lis
 # Sections
 # ---------------------------------------------------------------------------------------------
 
-def engines(target, drafter, args, depth: int, max_len: int = 1024):
+def first_pass(args) -> str:
+    return getattr(args, "target_passes", None)[0] if getattr(args, "target_passes", None) else "auto"
+
+
+def engines(target, drafter, args, depth: int, max_len: int = 1024, target_pass: str | None = None):
     from draftport.decode.engine import EngineConfig, SpecEngine
 
-    base = SpecEngine(target, None, EngineConfig(max_len=max_len))
-    spec = SpecEngine(target, drafter, EngineConfig(depth=depth, max_len=max_len)) if drafter is not None else None
+    tp = target_pass or first_pass(args)
+    base = SpecEngine(target, None, EngineConfig(max_len=max_len, target_pass=tp))
+    spec = SpecEngine(target, drafter, EngineConfig(depth=depth, max_len=max_len, target_pass=tp)) \
+        if drafter is not None else None
     return base, spec
 
 
@@ -221,7 +246,7 @@ def section_steps(target, drafter, args, hbm: float) -> dict:
                                                  inner=8)
     # the same passes before this version's kernel work (HF's eager norms, the default attention kernel)
     from draftport.decode.engine import EngineConfig, SpecEngine
-    old = SpecEngine(target, None, EngineConfig(max_len=base.S, fuse=False, sdpa="default"))
+    old = SpecEngine(target, None, EngineConfig(max_len=base.S, fuse=False, sdpa="default", target_pass="hf"))
     for T in (1, 8):
         ids = torch.zeros(T, dtype=torch.long, device=dev)
         tril = torch.ones(T, T, dtype=torch.bool, device=dev).tril()
@@ -229,6 +254,9 @@ def section_steps(target, drafter, args, hbm: float) -> dict:
                                                                args.repeats)
     del old
     out["sdpa_choices"] = base.sdpa_choices()
+    out["target_pass"] = base.target_pass_kind
+    if base.native is not None:
+        out["native"] = base.native.report()
     if base.fused is not None:
         from draftport.model.fusion import compile_failures
         out["fusion"] = {**base.fused.report, "compile_failures": compile_failures()}
@@ -252,14 +280,79 @@ def section_steps(target, drafter, args, hbm: float) -> dict:
         out["extend_ms"] = time_call(lambda: spec.drafter_extend(aux, ext, n), dev, args.repeats)
     # prompt lookup's per-cycle work: the context update + proposal after the accept (one graph on CUDA)
     from draftport.decode.ngram import PromptLookup
-    ng = SpecEngine(target, None, EngineConfig(depth=args.depth, max_len=base.S), lookup=PromptLookup(args.ngram_max,
-                                                                                                       args.ngram_min))
+    ng = SpecEngine(target, None, EngineConfig(depth=args.depth, max_len=base.S, target_pass=first_pass(args)),
+                    lookup=PromptLookup(args.ngram_max, args.ngram_min))
     ext = torch.zeros(args.depth + 1, dtype=torch.long, device=dev)
     zero = torch.zeros((), dtype=torch.long, device=dev)
     out["lookup_ms"] = time_call(lambda: ng._call("lookup", ng._lookup_update_fn, ext, n, zero), dev, args.repeats)
     out["lookup_queued_ms"] = time_call(lambda: ng._call("lookup", ng._lookup_update_fn, ext, n, zero), dev,
                                         args.repeats, inner=8)
     out["cuda_graphs"] = base.use_graphs
+    return out
+
+
+def section_target_pass(target, drafter, prompts, args, hbm: float, stop_ids=()) -> dict:
+    """Each --target-pass on the same target in the same run (issue 24): step, verify 4 / 8 (aux capture off
+    and on), prefill ms and tokens/s, and the no-speculation engine's tok/s; one pass failing (e.g. native
+    asked of an architecture without one) is recorded under its name and the others still run."""
+    from draftport.decode.engine import EngineConfig, SpecEngine
+
+    dev = target.device
+    floor_ms = 1000.0 * weight_bytes(target.model) / hbm
+    lens = [P for P in args.prefill_lens if P > 0]
+    max_len = max([1024] + [P + 64 for P in lens])
+    n = torch.tensor(256, dtype=torch.long, device=dev)
+    ar = torch.arange(max_len, device=dev)
+    out: dict = {"hbm_floor_ms": floor_ms, "passes": args.target_passes}
+    for tp in args.target_passes:
+        row: dict = {}
+        try:
+            base, spec = engines(target, drafter, args, depth=args.depth, max_len=max_len, target_pass=tp)
+            row["resolved"] = base.target_pass_kind
+            for T in (1, 4, 8):
+                ids = torch.zeros(T, dtype=torch.long, device=dev)
+                tril = torch.ones(T, T, dtype=torch.bool, device=dev).tril()
+                row[f"target_{T}_ms"] = time_call(lambda: base.target_pass(ids, n, ar[:T], tril), dev, args.repeats)
+                if spec is not None:
+                    row[f"target_{T}_aux_ms"] = time_call(lambda: spec.target_pass(ids, n, ar[:T], tril), dev,
+                                                          args.repeats)
+            row["step_ms"] = row["target_1_ms"]
+            row["verify8_ms"] = row["target_8_ms"]
+            row["verify8_over_step"] = row["target_8_ms"] / row["target_1_ms"]
+            row["step_over_hbm_floor"] = row["target_1_ms"] / floor_ms
+            # the engine's prefill: eager, last row's logits, aux captured when speculating
+            eng = spec if spec is not None else base
+            zero = torch.zeros((), dtype=torch.long, device=dev)
+            for P in lens:
+                ids = torch.randint(10, target.vocab_size, (P,), device=dev)
+                causal = torch.ones(P, P, dtype=torch.bool, device=dev).tril()
+                ms = time_call(lambda: eng.target_pass(ids, zero, ar[:P], causal, graphed=False, last_logits=True),
+                               dev, max(3, args.repeats // 5))
+                row[f"prefill_{P}_ms"] = ms
+                row[f"prefill_{P}_tok_s"] = 1000.0 * P / ms
+            row["sdpa_choices"] = base.sdpa_choices()
+            if base.native is not None:
+                row["native"] = base.native.report()
+            del base, spec, eng
+            plain_len = max(len(p) for p in prompts) + args.max_new_tokens + 64
+            plain = SpecEngine(target, None, EngineConfig(max_len=plain_len, target_pass=tp))
+            row["engine_plain"] = engine_rate(plain, prompts, args.max_new_tokens, stop_ids)
+            del plain
+        except Exception as exc:  # keep the other passes' figures
+            row["error"] = f"{type(exc).__name__}: {exc}"[:500]
+            row["trace"] = traceback.format_exc(limit=4)[-1500:]
+        out[tp] = row
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    ok = [tp for tp in args.target_passes if "error" not in out[tp]]
+    if "hf" in ok and len(ok) > 1:  # each other pass against the HF modules
+        for tp in ok:
+            if tp != "hf":
+                out[f"{tp}_vs_hf"] = {k: out["hf"][k] / out[tp][k] for k in ("step_ms", "verify8_ms")
+                                      + tuple(f"prefill_{P}_ms" for P in lens)}
+                out[f"{tp}_vs_hf"]["engine_plain_tok_s"] = ((out[tp]["engine_plain"]["tok_s"] or 0)
+                                                            / (out["hf"]["engine_plain"]["tok_s"] or float("nan")))
     return out
 
 
@@ -270,7 +363,7 @@ def section_profile(target, drafter, args) -> dict:
 
     from draftport.decode.engine import EngineConfig, SpecEngine
 
-    eng = SpecEngine(target, None, EngineConfig(max_len=1024, use_cuda_graphs=False))
+    eng = SpecEngine(target, None, EngineConfig(max_len=1024, use_cuda_graphs=False, target_pass=first_pass(args)))
     dev = eng.device
     n = torch.tensor(256, dtype=torch.long, device=dev)
     ar = torch.arange(eng.S, device=dev)
@@ -323,23 +416,26 @@ def section_engine(target, drafter, prompts, args, stop_ids=()) -> dict:
     from draftport.decode.engine import EngineConfig, SpecEngine
 
     max_len = max(len(p) for p in prompts) + args.max_new_tokens + 64
-    out = {"plain": engine_rate(SpecEngine(target, None, EngineConfig(max_len=max_len)), prompts,
+    tp = first_pass(args)
+    out = {"target_pass": tp,
+           "plain": engine_rate(SpecEngine(target, None, EngineConfig(max_len=max_len, target_pass=tp)), prompts,
                                 args.max_new_tokens, stop_ids)}
     if drafter is not None:
-        for name, ec in (("chain", EngineConfig(depth=args.depth, max_len=max_len)),
+        for name, ec in (("chain", EngineConfig(depth=args.depth, max_len=max_len, target_pass=tp)),
                          ("tree", EngineConfig(depth=args.tree_depth, topk=args.tree_topk,
-                                               num_draft_tokens=args.tree_tokens, max_len=max_len))):
+                                               num_draft_tokens=args.tree_tokens, max_len=max_len, target_pass=tp))):
             out[name] = engine_rate(SpecEngine(target, drafter, ec), prompts, args.max_new_tokens, stop_ids)
     from draftport.decode.ngram import PromptLookup
 
     for name, mode in (("ngram", "step"), ("ngram_pad", "pad")):
-        ec = EngineConfig(depth=args.depth, max_len=max_len, ngram_no_match=mode)
+        ec = EngineConfig(depth=args.depth, max_len=max_len, ngram_no_match=mode, target_pass=tp)
         out[name] = engine_rate(SpecEngine(target, None, ec, lookup=PromptLookup(args.ngram_max, args.ngram_min)),
                                 prompts, args.max_new_tokens, stop_ids)
     if drafter is not None and args.hybrid:
         for m in range(args.ngram_min, args.ngram_max + 1):
             lk = PromptLookup(args.ngram_max, args.ngram_min, min_match=m)
-            out[f"hybrid_m{m}"] = engine_rate(SpecEngine(target, drafter, EngineConfig(depth=args.depth, max_len=max_len),
+            out[f"hybrid_m{m}"] = engine_rate(SpecEngine(target, drafter, EngineConfig(depth=args.depth, max_len=max_len,
+                                                                                       target_pass=tp),
                                                          lookup=lk), prompts, args.max_new_tokens, stop_ids)
     return out
 
@@ -386,7 +482,8 @@ def section_eval(target, drafter, dataset: str, mode: str, args, work: str) -> d
                      device=args.device, dtype=args.dtype, out=os.path.join(work, f"eval-{dataset}-{mode}"),
                      no_hf_baseline=True, timing_repeats=args.repeats, ngram_max=args.ngram_max,
                      ngram_min=args.ngram_min, hybrid=args.hybrid and drafter is not None,
-                     ngram_min_match=args.ngram_min_match if args.hybrid and drafter is not None else None)
+                     ngram_min_match=args.ngram_min_match if args.hybrid and drafter is not None else None,
+                     target_pass=first_pass(args))
     s = run_eval(cfg, target=target, drafter=drafter)
     return {k: s.get(k) for k in EVAL_KEYS}
 
@@ -398,6 +495,8 @@ def section_llama8b(args) -> dict:
         drafter = build_random_drafter(target, args.device, dtype)
         out = {"steps": section_steps(target, drafter, args, args.hbm_bytes_per_s)}
         prompts = random_prompts(target, 2)
+        out["target_pass"] = section_target_pass(target, drafter, prompts, argparse.Namespace(
+            **{**vars(args), "max_new_tokens": 64}), args.hbm_bytes_per_s)
         out["engine"] = section_engine(target, drafter, prompts, argparse.Namespace(**{**vars(args),
                                                                                         "max_new_tokens": 64}))
         out["hf_dynamic_tok_s"] = hf_generate_rate(target, prompts[0], 32, [], 0.0, 1.0, 0)[0]
@@ -457,6 +556,8 @@ def main(argv=None) -> int:
         else:
             prompts = random_prompts(target, args.prompts_n)
         budget.run("steps", section_steps, target, drafter, args, args.hbm_bytes_per_s)
+        budget.run("target_pass", section_target_pass, target, drafter, prompts, args, args.hbm_bytes_per_s,
+                   stop_ids, need_s=30)
         if args.profile:
             budget.run("profile", section_profile, target, drafter, args)
         budget.run("engine", section_engine, target, drafter, prompts, args, stop_ids, need_s=30)
