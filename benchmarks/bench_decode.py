@@ -256,7 +256,7 @@ def section_steps(target, drafter, args, hbm: float) -> dict:
     out["sdpa_choices"] = base.sdpa_choices()
     out["target_pass"] = base.target_pass_kind
     if base.native is not None:
-        out["native"] = base.native.report()
+        out["native"] = {**base.native.report(), "compiled": base.native_compiled}
     if base.fused is not None:
         from draftport.model.fusion import compile_failures
         out["fusion"] = {**base.fused.report, "compile_failures": compile_failures()}
@@ -332,7 +332,7 @@ def section_target_pass(target, drafter, prompts, args, hbm: float, stop_ids=())
                 row[f"prefill_{P}_tok_s"] = 1000.0 * P / ms
             row["sdpa_choices"] = base.sdpa_choices()
             if base.native is not None:
-                row["native"] = base.native.report()
+                row["native"] = {**base.native.report(), "compiled": base.native_compiled}
             del base, spec, eng
             plain_len = max(len(p) for p in prompts) + args.max_new_tokens + 64
             plain = SpecEngine(target, None, EngineConfig(max_len=plain_len, target_pass=tp))

@@ -332,7 +332,7 @@ def test_cuda_graphs_equal_eager(family, dtype):
                 eng = SpecEngine(t, drafter, EngineConfig(**{**cfg.__dict__, "use_cuda_graphs": graphs,
                                                              "sdpa": "efficient"}))
                 # fusion on: the HF path's compiled norms, or the native decoder's compiled layer halves
-                assert (eng.fused is not None and eng.fused.report["norms_fused"] > 0) or eng.native.compiled
+                assert (eng.fused is not None and eng.fused.report["norms_fused"] > 0) or eng.native_compiled
                 first = eng.generate(prompt, NEW, seed=3)      # captures the graphs
                 if graphs:
                     assert eng._graphs and all(g.graph is not None for g in eng._graphs.values())

@@ -118,7 +118,7 @@ def test_target_pass_choice_and_refusal(targets):
         EngineConfig(target_pass="fast").resolved()
     with pytest.raises(DraftportError, match="target_pass"):
         BatchConfig(target_pass="fast").checked()
-    assert SpecEngine(targets["llama"], None, _cfg()).native.compiled is False  # never compiled on the CPU
+    assert SpecEngine(targets["llama"], None, _cfg(fuse=True)).native_compiled is False  # never compiled on the CPU
 
 
 @pytest.mark.gpu
@@ -135,7 +135,7 @@ def test_cuda_native_graphed_equals_eager_and_hf(family):
             for graphs in (False, True):
                 eng = SpecEngine(t, drafter, EngineConfig(**{**cfg.__dict__, "use_cuda_graphs": graphs,
                                                              "target_pass": "native", "sdpa": "efficient"}))
-                assert eng.native.compiled and eng.fused is None
+                assert eng.native_compiled and eng.fused is None
                 assert eng.generate(prompt, NEW).token_ids == want, (drafter is not None, cfg, graphs)
                 assert eng.generate(prompt, NEW).token_ids == want   # replayed graphs
                 assert not eng.native.report()["compile_failures"]

@@ -75,13 +75,14 @@ def test_compiled_fusion_keeps_greedy_on_cpu():
     # Past dynamo's per-function recompile limit a function silently runs eager: make hitting it an
     # error here, which the fallback wrapper records, so "the shapes of several engines fit" is checked.
     with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
-        eng = SpecEngine(t, None, EngineConfig(max_len=40, fuse=True))
+        # the HF modules' path: the native decoder (target_pass auto) has no HF norms to swap
+        eng = SpecEngine(t, None, EngineConfig(max_len=40, fuse=True, target_pass="hf"))
         assert eng.fused.report["norms_fused"] > 0
         assert eng.fused.report["rotary"], "the rotary embedding was left eager"
         assert eng.generate(prompt, 10).token_ids == ref
         from test_engine import random_drafter  # a chain with the drafter's norms compiled as well
 
-        spec = SpecEngine(t, random_drafter(t), EngineConfig(max_len=40, fuse=True))
+        spec = SpecEngine(t, random_drafter(t), EngineConfig(max_len=40, fuse=True, target_pass="hf"))
         assert spec.dfused is not None and spec.dfused.report["norms_fused"] > 0
         assert spec.generate(prompt, 10).token_ids == ref
     assert compile_failures() == {}

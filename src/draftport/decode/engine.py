@@ -177,8 +177,9 @@ class SpecEngine:
         # native: the HF modules are not run, so their norms need no compiled stand-ins; its own layer
         # halves are compiled instead, on CUDA only (never on the CPU, where Inductor would build C++)
         self.native = None
+        self.native_compiled = fuse and self.device.type == "cuda" and self.target_pass_kind == "native"
         if self.target_pass_kind == "native":
-            self.native = native_decoder(self.model, positions=self.S, compile=fuse and self.device.type == "cuda")
+            self.native = native_decoder(self.model, positions=self.S, compile=self.native_compiled)
         self.fused = FusedTarget(self.model) if fuse and self.native is None else None
         self.dfused = None
         self.aux_layers: list[int] = []
@@ -246,7 +247,7 @@ class SpecEngine:
             if self.native is not None:
                 out = self.native.forward(ids, pos[None], masks, self.cache,
                                           aux_layers=self.aux_layers if with_aux else (),
-                                          logits="last" if last_only else "all")
+                                          logits="last" if last_only else "all", compiled=self.native_compiled)
                 return (out.logits[0],) if not with_aux else (out.logits[0], out.aux[0])
             mask = masks if len(masks) > 1 else next(iter(masks.values()))
             keep = {"logits_to_keep": 1} if last_only else {}

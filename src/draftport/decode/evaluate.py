@@ -754,7 +754,8 @@ def eval_summary(run: EvalRun, tally: EvalTally, prompts: list[list[int]]) -> di
                                              "max_len": ecfg.max_len, "cuda_graphs": spec.use_graphs,
                                              "fused": spec.fused is not None, "sdpa": ecfg.sdpa,
                                              "target_pass": spec.target_pass_kind,
-                                             "native": spec.native.report() if spec.native is not None else None,
+                                             "native": ({**spec.native.report(), "compiled": spec.native_compiled}
+                                                        if spec.native is not None else None),
                                              "sdpa_choices": {"baseline": base.sdpa_choices(),
                                                               "speculative": spec.sdpa_choices(),
                                                               **({"floor": floor.sdpa_choices()} if floor else {}),

@@ -265,16 +265,18 @@ class NativeDecoder:
         self._retired: list = []  # old tables: graphs captured against them must keep valid memory
         self.positions = 0
         self.ensure_positions(positions)
-        self.compiled = False
-        self._attn_in = functools.partial(attn_in, hq=self.hq, hkv=self.hkv, d=self.d, eps=self.eps,
-                                          unit_offset=self.unit_offset)
+        plain_in = functools.partial(attn_in, hq=self.hq, hkv=self.hkv, d=self.d, eps=self.eps,
+                                     unit_offset=self.unit_offset)
         # one activation object for every layer, bound here: passed per call, each layer's own module
         # instance would be a new guard for torch.compile, i.e. a recompile per layer
         acts = {type(L.act) for L in self.layers}
         if len(acts) != 1:
             raise ValueError(f"layers use different activations ({sorted(a.__name__ for a in acts)})")
-        self._attn_out_mlp = functools.partial(attn_out_mlp, act=self.layers[0].act, eps=self.eps,
-                                               unit_offset=self.unit_offset, sandwich=self.sandwich)
+        plain_out = functools.partial(attn_out_mlp, act=self.layers[0].act, eps=self.eps,
+                                      unit_offset=self.unit_offset, sandwich=self.sandwich)
+        # {compiled?: (attn_in, attn_out_mlp)}: both kept, so an engine with fusion off still runs the plain
+        # functions after another engine over the same model switched compilation on
+        self._fns = {False: (plain_in, plain_out)}
         if compile:
             self.enable_compile()
 
@@ -344,14 +346,23 @@ class NativeDecoder:
         compile failure falls back to the plain function with a warning (fusion._FallBack)."""
         from draftport.model.fusion import _FallBack, raise_recompile_limit
 
-        raise_recompile_limit(64)  # T = 1, verify widths, prefill lengths, aux on and off
-        self._attn_in = _FallBack(self._attn_in, torch.compile(self._attn_in, dynamic=None))
-        self._attn_out_mlp = _FallBack(self._attn_out_mlp, torch.compile(self._attn_out_mlp, dynamic=None))
-        self._attn_in.__name__, self._attn_out_mlp.__name__ = "native_attn_in", "native_attn_out_mlp"
-        self.compiled = True
+        if self.compiled:
+            return
+        raise_recompile_limit(64)  # T = 1, verify widths, prefill lengths (dims go symbolic after a change)
+        fns = []
+        for fn, name in zip(self._fns[False], ("native_attn_in", "native_attn_out_mlp")):
+            c = _FallBack(fn, torch.compile(fn, dynamic=None))
+            c.__name__ = name
+            fns.append(c)
+        self._fns[True] = tuple(fns)
+
+    @property
+    def compiled(self) -> bool:
+        """Whether the compiled layer halves exist (a forward uses them only when it asks)."""
+        return True in self._fns
 
     def report(self) -> dict:
-        fails = {f.__name__: f.failed for f in (self._attn_in, self._attn_out_mlp) if getattr(f, "failed", None)}
+        fails = {f.__name__: f.failed for f in self._fns.get(True, ()) if f.failed}
         return {"family": self.family, "layers": self.num_layers, "compiled": self.compiled,
                 "rope_positions": self.positions, "compile_failures": fails}
 
@@ -371,9 +382,11 @@ class NativeDecoder:
         return out
 
     def forward(self, ids: torch.Tensor, pos: torch.Tensor, masks, cache, aux_layers: Sequence[int] = (),
-                logits: str | None = "all") -> NativeOutput:
-        """logits: "all" (every row), "last" (the last row only) or None (hidden states only)."""
+                logits: str | None = "all", compiled: bool = False) -> NativeOutput:
+        """logits: "all" (every row), "last" (the last row only) or None (hidden states only); compiled: run
+        the compiled layer halves (enable_compile first; without them the plain ones run)."""
         B, T = ids.shape
+        attn_in_fn, attn_out_fn = self._fns.get(bool(compiled), self._fns[False])
         x = self.embed(ids)
         flat = pos.reshape(-1)
         rope = {kind: (c.index_select(0, flat).view(B, T, -1), s.index_select(0, flat).view(B, T, -1))
@@ -385,10 +398,10 @@ class NativeDecoder:
             if i in want:
                 grabbed[i] = x
             cos, sin = rope[L.kind]
-            q, k, v = self._attn_in(x, L.ln_in, L.wqkv, L.bqkv, L.q_norm, L.k_norm, cos, sin)
+            q, k, v = attn_in_fn(x, L.ln_in, L.wqkv, L.bqkv, L.q_norm, L.k_norm, cos, sin)
             keys, values = cache.layers[i].update(k, v)
             a = attend(q, keys, values, masks[L.kind], L.scaling)
-            x = self._attn_out_mlp(x, a, L.wo, L.bo, L.ln_a, L.ln_b, L.ln_c, L.wgu, L.bgu, L.wdown, L.bdown)
+            x = attn_out_fn(x, a, L.wo, L.bo, L.ln_a, L.ln_b, L.ln_c, L.wgu, L.bgu, L.wdown, L.bdown)
         last = rms_norm(x, self.final_norm, self.eps, self.unit_offset)
         aux = None
         if aux_layers:
@@ -408,9 +421,8 @@ def native_decoder(model, positions: int = 2048, compile: bool = False) -> Nativ
     dec = getattr(model, "_draftport_native", None)
     if dec is None or not dec.still_bound():
         dec = NativeDecoder(model, positions=positions, compile=compile)
-        # plain attribute (not a submodule: nn.Module.__setattr__ would register nothing for a non-Module,
-        # but object.__setattr__ keeps it out of __dict__ lookups by state_dict and friends either way)
-        object.__setattr__(model, "_draftport_native", dec)
+        # a plain attribute: not a Module, Parameter or buffer, so state_dict, .to() and parameters() skip it
+        model._draftport_native = dec
     dec.ensure_positions(positions)
     if compile and not dec.compiled:
         dec.enable_compile()
