@@ -87,9 +87,6 @@ def unsupported_reason(model) -> str | None:
     kinds = set(getattr(text, "layer_types", None) or ["full_attention"])
     if not kinds <= {"full_attention", "sliding_attention"}:
         return f"layer types {sorted(kinds)} (native: full and sliding-window attention)"
-    attn = layers[0].self_attn
-    if getattr(attn.o_proj, "bias", None) is not None and mt == "gemma3_text":
-        return "unexpected o_proj bias"
     return None
 
 
