@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import platform
 import statistics
@@ -54,6 +53,7 @@ import traceback
 import torch
 
 from draftport.decode.evaluate import EvalConfig, decode_rate, hf_generate_rate, load_drafter_for, run_eval, time_call
+from emit import emit
 
 HBM_BYTES_PER_S = 4.8e12  # H200 HBM3e peak
 SHAPES = {
@@ -576,11 +576,7 @@ def main(argv=None) -> int:
         budget.run("llama8b", section_llama8b, args, need_s=120)
     result.update(budget.result)
     result["total_s"] = round(time.perf_counter() - budget.t0, 1)
-    line = json.dumps(result, default=str)
-    print(line)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(line + "\n")
+    emit(result, args.out)
     return 0
 
 

@@ -34,6 +34,7 @@ from draftport.data.conversations import load_conversations
 from draftport.decode.batch import BatchConfig, BatchGenerator
 from draftport.model.target import load_target
 from draftport.train.regenerate import generate_ids_hf
+from emit import emit
 
 
 def parse_args(argv=None):
@@ -133,11 +134,7 @@ def main(argv=None) -> int:
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
         print(json.dumps({mode: sec}), flush=True)
-    line = json.dumps(res)
-    print(line)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(line + "\n")
+    emit(res, args.out)
     return 0
 
 

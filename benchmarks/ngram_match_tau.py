@@ -20,11 +20,11 @@ Prints one JSON line (and writes it to --out).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 
 import torch
+from emit import emit
 
 
 def _sequences(args, target, k):
@@ -98,11 +98,7 @@ def main(argv=None) -> int:
     res = {"bench": "ngram_match_tau", "args": vars(args), "by_match_len": rows,
            "floor_tau_walk": 1 + sum(walk_all) / len(walk_all) if walk_all else None, "cycles": len(walk_all),
            "seconds": round(time.perf_counter() - t0, 1)}
-    line = json.dumps(res)
-    print(line)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(line + "\n")
+    emit(res, args.out)
     return 0
 
 

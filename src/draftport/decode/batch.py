@@ -35,7 +35,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from draftport.decode import sampling
 from draftport.decode.graphs import attention_layout
 from draftport.errors import DraftportError
-from draftport.model.native import TARGET_PASSES, choose_target_pass, native_decoder
+from draftport.model.native import check_target_pass, choose_target_pass, native_decoder
 
 MAX_STOP_IDS = 64  # stop ids a call may name (a fixed-size device buffer the graph compares against)
 
@@ -56,10 +56,8 @@ class BatchConfig:
         if self.batch_size < 1 or self.max_len < 2 or self.check_every < 1 or self.prefill_tokens < 1:
             raise DraftportError(f"batch generation needs batch_size, check_every, prefill_tokens >= 1 and max_len >= 2 "
                                  f"(got {self.batch_size}, {self.check_every}, {self.prefill_tokens}, {self.max_len})")
-        if self.temperature < 0 or not 0 < self.top_p <= 1:
-            raise DraftportError(f"need temperature >= 0 and 0 < top_p <= 1 (got {self.temperature}, {self.top_p})")
-        if self.target_pass not in TARGET_PASSES:
-            raise DraftportError(f"target_pass must be one of {', '.join(TARGET_PASSES)} (got {self.target_pass!r})")
+        sampling.check_warp(self.temperature, self.top_p)
+        check_target_pass(self.target_pass)
         return self
 
 

@@ -41,7 +41,7 @@ import torch
 from draftport.decode import sampling
 from draftport.decode.graphs import SDPA_CHOICES, Graphed, GraphSet, SlotCache, attention_layout
 from draftport.model.fusion import FusedTarget
-from draftport.model.native import TARGET_PASSES, choose_target_pass, native_decoder
+from draftport.model.native import check_target_pass, choose_target_pass, native_decoder
 from draftport.errors import DraftportError
 
 
@@ -89,14 +89,12 @@ class EngineConfig:
         elif nodes != depth + 1:
             raise DraftportError(f"a chain of depth {depth} verifies {depth + 1} tokens; --num-draft-tokens "
                                  f"{nodes} only applies to trees (--topk > 1)")
-        if self.temperature < 0 or not 0 < self.top_p <= 1:
-            raise DraftportError(f"need temperature >= 0 and 0 < top_p <= 1 (got {self.temperature}, {self.top_p})")
+        sampling.check_warp(self.temperature, self.top_p)
         if self.sdpa not in SDPA_CHOICES:
             raise DraftportError(f"sdpa must be one of {', '.join(SDPA_CHOICES)} (got {self.sdpa!r})")
         if self.ngram_no_match not in ("step", "pad"):
             raise DraftportError(f"ngram_no_match must be 'step' or 'pad' (got {self.ngram_no_match!r})")
-        if self.target_pass not in TARGET_PASSES:
-            raise DraftportError(f"target_pass must be one of {', '.join(TARGET_PASSES)} (got {self.target_pass!r})")
+        check_target_pass(self.target_pass)
         return dataclasses.replace(self, depth=depth, num_draft_tokens=nodes)
 
 

@@ -56,6 +56,12 @@ _DYNAMIC_ROPE = ("dynamic", "longrope")
 TARGET_PASSES = ("auto", "hf", "native")  # EngineConfig.target_pass, BatchConfig.target_pass, --target-pass
 
 
+def check_target_pass(value: str) -> None:
+    """One message for a bad target_pass, whichever config carries it (engine, batch generator)."""
+    if value not in TARGET_PASSES:
+        raise DraftportError(f"target_pass must be one of {', '.join(TARGET_PASSES)} (got {value!r})")
+
+
 def _text_config(model):
     cfg = model.config
     return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
