@@ -7,7 +7,8 @@ the figure is the answers' tokens (up to and including the stop id) over the wal
 autotuning are not in it):
 
     hf        HF generate, left-padded batches of --hf-batch (what train/regenerate.py's `hf` engine runs)
-    batch_B   BatchGenerator with B rows, continuously refilled, for each B in --batch-sizes
+    batch_B   BatchGenerator with B rows, continuously refilled, for each B in --batch-sizes (with several
+              --target-pass values, batch_B_<pass> for each)
     big_B     the largest B over --big-n prompts (more prompts than rows: refill in steady state)
 
 greedy and, with --temperature > 0, sampled (several samples a prompt is the regeneration recipe).
@@ -16,7 +17,8 @@ so this is a sanity figure, not the equality test: tests/decode/test_batch.py pr
 
 Prints one JSON line and writes it to --out. Example (the H200 run in BENCHMARKS.md):
     python benchmarks/bench_generate.py --target chat-target --chat-template gemma --prompts prompts.jsonl \\
-        --n 512 --big-n 4096 --batch-sizes 128,256,512 --hf-batch 256 --max-new-tokens 256 --out gen.json
+        --n 256 --big-n 4096 --batch-sizes 128,256,512 --hf-batch 256 --max-new-tokens 256 --max-len 768 \\
+        --target-pass hf,native --out gen.json
 """
 
 from __future__ import annotations
@@ -52,6 +54,8 @@ def parse_args(argv=None):
     p.add_argument("--samples", type=int, default=2, help="sampled runs: answers a prompt")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default=None)
+    p.add_argument("--target-pass", default="auto",
+                   help="batch engine's target forward, comma-separated to time several side by side: auto,hf,native")
     p.add_argument("--out", default=None)
     return p.parse_args(argv)
 
@@ -106,6 +110,7 @@ def main(argv=None) -> int:
     prompts = first_turn_prompts(target, args.prompts, args.n, template, args.max_len)
     warm = first_turn_prompts(target, args.prompts, 16, template, args.max_len, offset=len(prompts) * 4 + 16)
     sizes = [int(b) for b in args.batch_sizes.split(",")]
+    passes = [t.strip() for t in args.target_pass.split(",") if t.strip()]
     res = {"bench": "generate", "target": args.target, "device": torch.cuda.get_device_name(0) if dev.type == "cuda"
            else platform.processor() or "cpu", "dtype": dtype, "torch": torch.__version__,
            "date": time.strftime("%Y-%m-%d"), "prompts": len(prompts),
@@ -117,22 +122,26 @@ def main(argv=None) -> int:
         run_hf(target, warm[:4], args, stops, temp, 1)  # warm-up: kernels, allocator
         hf_rows, sec["hf"] = timed(lambda: run_hf(target, prompts, args, stops, temp, samples), dev)
         sec["hf"]["batch"] = args.hf_batch
-        for B in sizes:
-            gen = BatchGenerator(target, BatchConfig(batch_size=B, max_len=args.max_len, temperature=temp, seed=1))
-            gen.generate(warm, 32, stop_ids=stops)  # captures the decode graph
-            rows, sec[f"batch_{B}"] = timed(lambda: gen.generate(prompts, args.max_new_tokens, stop_ids=stops,
-                                                                 samples_per_prompt=samples), dev)
-            sec[f"batch_{B}"]["x_hf"] = round(sec[f"batch_{B}"]["tok_s"] / sec["hf"]["tok_s"], 2)
-            if mode == "greedy" and B == sizes[0]:
-                sec["identical_to_hf"] = round(sum(a == b for a, b in zip(rows, hf_rows)) / len(rows), 3)
-            if B == sizes[-1] and args.big_n:
-                big = first_turn_prompts(target, args.prompts, args.big_n, template, args.max_len)
-                _, sec[f"big_{B}"] = timed(lambda: gen.generate(big, args.max_new_tokens, stop_ids=stops,
-                                                                samples_per_prompt=samples), dev)
-                sec[f"big_{B}"]["x_hf"] = round(sec[f"big_{B}"]["tok_s"] / sec["hf"]["tok_s"], 2)
-            del gen
-            if dev.type == "cuda":
-                torch.cuda.empty_cache()
+        for tp in passes:
+            tag = "" if len(passes) == 1 else f"_{tp}"  # one pass keeps the keys earlier results used
+            for B in sizes:
+                gen = BatchGenerator(target, BatchConfig(batch_size=B, max_len=args.max_len, temperature=temp, seed=1,
+                                                         target_pass=tp))
+                gen.generate(warm, 32, stop_ids=stops)  # captures the decode graph
+                key = f"batch_{B}{tag}"
+                rows, sec[key] = timed(lambda: gen.generate(prompts, args.max_new_tokens, stop_ids=stops,
+                                                            samples_per_prompt=samples), dev)
+                sec[key]["x_hf"] = round(sec[key]["tok_s"] / sec["hf"]["tok_s"], 2)
+                if mode == "greedy" and B == sizes[0]:
+                    sec[f"identical_to_hf{tag}"] = round(sum(a == b for a, b in zip(rows, hf_rows)) / len(rows), 3)
+                if B == sizes[-1] and args.big_n:
+                    big = first_turn_prompts(target, args.prompts, args.big_n, template, args.max_len)
+                    _, sec[f"big_{B}{tag}"] = timed(lambda: gen.generate(big, args.max_new_tokens, stop_ids=stops,
+                                                                         samples_per_prompt=samples), dev)
+                    sec[f"big_{B}{tag}"]["x_hf"] = round(sec[f"big_{B}{tag}"]["tok_s"] / sec["hf"]["tok_s"], 2)
+                del gen
+                if dev.type == "cuda":
+                    torch.cuda.empty_cache()
         print(json.dumps({mode: sec}), flush=True)
     emit(res, args.out)
     return 0
