@@ -15,6 +15,10 @@
 #           batch engine with REGEN_BATCH rows; SAMPLES answers a prompt at TEMPERATURE, saved chunk by chunk
 #           under $OUT/train-chat/regenerated/), then TRAIN_STEPS × TRAIN_BATCH online
 #   curve   examples/learning_curve.py over $OUT/train-chat's milestones and final drafter
+#   sweep   (only when named) examples/train_sweep.py: short runs over SWEEP_GRID on the answers the train stage
+#           regenerated, SWEEP_STEPS each at equal samples, ranked by held-out simulated τ (depth 3) in
+#           $OUT/sweep/sweep.md; 3 points × 150 steps × 64 (≈ 2.7 M tokens each) ≈ 3–4 min on the H200
+#           at the train stage's 48 k tok/s
 # Pick stages with STAGES (or the first argument), comma-separated; default all. DRY_RUN=1 prints the commands.
 #
 # Inputs (nothing is downloaded):
@@ -43,16 +47,19 @@ MARKS=${MARKS:-500k,2M,5M,10M,20M}; SAVE_EVERY=${SAVE_EVERY:-250}
 CHAT_STEPS=${CHAT_STEPS:-700}; CHAT_BATCH=${CHAT_BATCH:-16}; CHAT_CONVS=${CHAT_CONVS:-10520}; CHAT_MAX_LEN=${CHAT_MAX_LEN:-512}
 EVAL_SAMPLES=${EVAL_SAMPLES:-10}; EVAL_NEW_TOKENS=${EVAL_NEW_TOKENS:-200}; DEPTH=${DEPTH:-3}
 EXTRA_SETS=${EXTRA_SETS:-humaneval,mt-bench:math}; DEVICE=${DEVICE:-cuda}
+SWEEP_GRID=${SWEEP_GRID:-lr=3e-4,1e-3,3e-3 ttt_steps=4}; SWEEP_STEPS=${SWEEP_STEPS:-150}
 STAGES=${1:-${STAGES:-all}}
 DRY_RUN=${DRY_RUN:-}
 ALL_STAGES="data chat train curve"
+OPT_STAGES="sweep"  # run only when named
 
 for s in ${STAGES//,/ }; do  # a typo must not silently run nothing
-  case " all $ALL_STAGES " in *" $s "*) ;; *)
-    echo "gpu_recipe: unknown stage '$s' (known: all, ${ALL_STAGES// /, })" >&2; exit 2;; esac
+  case " all $ALL_STAGES $OPT_STAGES " in *" $s "*) ;; *)
+    echo "gpu_recipe: unknown stage '$s' (known: all, ${ALL_STAGES// /, }, ${OPT_STAGES// /, })" >&2; exit 2;; esac
 done
 want() { [[ ",$STAGES," == *",all,"* || ",$STAGES," == *",$1,"* ]]; }
-run() { echo "+ $*"; if [ -z "$DRY_RUN" ]; then "$@"; fi; }
+named() { [[ ",$STAGES," == *",$1,"* ]]; }
+run() { printf "+"; printf " %q" "$@"; echo; if [ -z "$DRY_RUN" ]; then "$@"; fi; }  # quoted: a dry run can be pasted
 t0=$(date +%s)
 lap() { echo "gpu_recipe: $1 at $(( $(date +%s) - t0 )) s"; }
 mkdir -p "$OUT/data"
@@ -95,5 +102,11 @@ if want curve; then
       --sets "mt-bench,held-out=$OUT/data/heldout.jsonl" --extra-sets "$EXTRA_SETS" --max-samples "$EVAL_SAMPLES" \
       --max-new-tokens "$EVAL_NEW_TOKENS" --depth "$DEPTH" --device "$DEVICE" --out "$OUT/curve"
   lap "curve"
+fi
+if named sweep; then
+  run "$PY" examples/train_sweep.py --target "$CHAT" --chat-template gemma --data "$OUT/train-chat/regenerated.jsonl" \
+      --grid "$SWEEP_GRID" --steps "$SWEEP_STEPS" --equal-tokens --set batch_size="$TRAIN_BATCH" --set max_len="$MAX_LEN" \
+      --set lm_head_from_target=true --device "$DEVICE" --out "$OUT/sweep"
+  lap "sweep"
 fi
 echo "gpu_recipe: stages '$STAGES' done in $(( $(date +%s) - t0 )) s ($OUT)"
