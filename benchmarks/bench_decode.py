@@ -98,16 +98,16 @@ def parse_args(argv=None):
     p.add_argument("--work-dir", default=None, help="where eval runs write (default: a temp dir)")
     p.add_argument("--out", default=None, help="JSON file to write the result line to")
     p.add_argument("--target-pass", default="auto",
-                   help="comma list of target passes (auto, hf, native) timed side by side in the target_pass "
+                   help="comma list of target passes (auto, hf, native, native-whole) timed side by side in the target_pass "
                         "section; the other sections use the first")
     p.add_argument("--prefill-lens", default="128,512", help="prompt lengths the target_pass section prefills")
     p.add_argument("--profile", default=None, help="write torch-profiler kernel tables of a 1-token step and an "
                                                    "8-token verify (graphs off, to see each kernel) to this file")
     args = p.parse_args(argv)
     args.target_passes = [x.strip() for x in args.target_pass.split(",") if x.strip()]
-    bad = [x for x in args.target_passes if x not in ("auto", "hf", "native")]
+    bad = [x for x in args.target_passes if x not in PASSES]
     if bad or not args.target_passes:
-        p.error(f"--target-pass takes a comma list of auto, hf, native (got {args.target_pass!r})")
+        p.error(f"--target-pass takes a comma list of {', '.join(PASSES)} (got {args.target_pass!r})")
     args.prefill_lens = [int(x) for x in args.prefill_lens.split(",") if x.strip()]
     return args
 
@@ -213,6 +213,14 @@ def random_prompts(target, n: int, length: int = 128, seed: int = 0) -> list[lis
 # Sections
 # ---------------------------------------------------------------------------------------------
 
+PASSES = ("auto", "hf", "native", "native-whole")  # native-whole: the native pass compiled as one region
+
+
+def pass_config(tp: str) -> dict:
+    """An EngineConfig's fields for a --target-pass name (native-whole = native, native_compile "whole")."""
+    return {"target_pass": "native", "native_compile": "whole"} if tp == "native-whole" else {"target_pass": tp}
+
+
 def first_pass(args) -> str:
     return getattr(args, "target_passes", None)[0] if getattr(args, "target_passes", None) else "auto"
 
@@ -221,8 +229,8 @@ def engines(target, drafter, args, depth: int, max_len: int = 1024, target_pass:
     from draftport.decode.engine import EngineConfig, SpecEngine
 
     tp = target_pass or first_pass(args)
-    base = SpecEngine(target, None, EngineConfig(max_len=max_len, target_pass=tp))
-    spec = SpecEngine(target, drafter, EngineConfig(depth=depth, max_len=max_len, target_pass=tp)) \
+    base = SpecEngine(target, None, EngineConfig(max_len=max_len, **pass_config(tp)))
+    spec = SpecEngine(target, drafter, EngineConfig(depth=depth, max_len=max_len, **pass_config(tp))) \
         if drafter is not None else None
     return base, spec
 
@@ -256,7 +264,8 @@ def section_steps(target, drafter, args, hbm: float) -> dict:
     out["sdpa_choices"] = base.sdpa_choices()
     out["target_pass"] = base.target_pass_kind
     if base.native is not None:
-        out["native"] = {**base.native.report(), "compiled": base.native_compiled}
+        out["native"] = {**base.native.report(), "compiled": base.native_compiled,
+                                 "scope": base.native_scope}
     if base.fused is not None:
         from draftport.model.fusion import compile_failures
         out["fusion"] = {**base.fused.report, "compile_failures": compile_failures()}
@@ -280,7 +289,7 @@ def section_steps(target, drafter, args, hbm: float) -> dict:
         out["extend_ms"] = time_call(lambda: spec.drafter_extend(aux, ext, n), dev, args.repeats)
     # prompt lookup's per-cycle work: the context update + proposal after the accept (one graph on CUDA)
     from draftport.decode.ngram import PromptLookup
-    ng = SpecEngine(target, None, EngineConfig(depth=args.depth, max_len=base.S, target_pass=first_pass(args)),
+    ng = SpecEngine(target, None, EngineConfig(depth=args.depth, max_len=base.S, **pass_config(first_pass(args))),
                     lookup=PromptLookup(args.ngram_max, args.ngram_min))
     ext = torch.zeros(args.depth + 1, dtype=torch.long, device=dev)
     zero = torch.zeros((), dtype=torch.long, device=dev)
@@ -332,10 +341,11 @@ def section_target_pass(target, drafter, prompts, args, hbm: float, stop_ids=())
                 row[f"prefill_{P}_tok_s"] = 1000.0 * P / ms
             row["sdpa_choices"] = base.sdpa_choices()
             if base.native is not None:
-                row["native"] = {**base.native.report(), "compiled": base.native_compiled}
+                row["native"] = {**base.native.report(), "compiled": base.native_compiled,
+                                 "scope": base.native_scope}
             del base, spec, eng
             plain_len = max(len(p) for p in prompts) + args.max_new_tokens + 64
-            plain = SpecEngine(target, None, EngineConfig(max_len=plain_len, target_pass=tp))
+            plain = SpecEngine(target, None, EngineConfig(max_len=plain_len, **pass_config(tp)))
             row["engine_plain"] = engine_rate(plain, prompts, args.max_new_tokens, stop_ids)
             del plain
         except Exception as exc:  # keep the other passes' figures
@@ -363,7 +373,7 @@ def section_profile(target, drafter, args) -> dict:
 
     from draftport.decode.engine import EngineConfig, SpecEngine
 
-    eng = SpecEngine(target, None, EngineConfig(max_len=1024, use_cuda_graphs=False, target_pass=first_pass(args)))
+    eng = SpecEngine(target, None, EngineConfig(max_len=1024, use_cuda_graphs=False, **pass_config(first_pass(args))))
     dev = eng.device
     n = torch.tensor(256, dtype=torch.long, device=dev)
     ar = torch.arange(eng.S, device=dev)
@@ -418,24 +428,24 @@ def section_engine(target, drafter, prompts, args, stop_ids=()) -> dict:
     max_len = max(len(p) for p in prompts) + args.max_new_tokens + 64
     tp = first_pass(args)
     out = {"target_pass": tp,
-           "plain": engine_rate(SpecEngine(target, None, EngineConfig(max_len=max_len, target_pass=tp)), prompts,
+           "plain": engine_rate(SpecEngine(target, None, EngineConfig(max_len=max_len, **pass_config(tp))), prompts,
                                 args.max_new_tokens, stop_ids)}
     if drafter is not None:
-        for name, ec in (("chain", EngineConfig(depth=args.depth, max_len=max_len, target_pass=tp)),
+        for name, ec in (("chain", EngineConfig(depth=args.depth, max_len=max_len, **pass_config(tp))),
                          ("tree", EngineConfig(depth=args.tree_depth, topk=args.tree_topk,
-                                               num_draft_tokens=args.tree_tokens, max_len=max_len, target_pass=tp))):
+                                               num_draft_tokens=args.tree_tokens, max_len=max_len, **pass_config(tp)))):
             out[name] = engine_rate(SpecEngine(target, drafter, ec), prompts, args.max_new_tokens, stop_ids)
     from draftport.decode.ngram import PromptLookup
 
     for name, mode in (("ngram", "step"), ("ngram_pad", "pad")):
-        ec = EngineConfig(depth=args.depth, max_len=max_len, ngram_no_match=mode, target_pass=tp)
+        ec = EngineConfig(depth=args.depth, max_len=max_len, ngram_no_match=mode, **pass_config(tp))
         out[name] = engine_rate(SpecEngine(target, None, ec, lookup=PromptLookup(args.ngram_max, args.ngram_min)),
                                 prompts, args.max_new_tokens, stop_ids)
     if drafter is not None and args.hybrid:
         for m in range(args.ngram_min, args.ngram_max + 1):
             lk = PromptLookup(args.ngram_max, args.ngram_min, min_match=m)
             out[f"hybrid_m{m}"] = engine_rate(SpecEngine(target, drafter, EngineConfig(depth=args.depth, max_len=max_len,
-                                                                                       target_pass=tp),
+                                                                                       **pass_config(tp)),
                                                          lookup=lk), prompts, args.max_new_tokens, stop_ids)
     return out
 
@@ -483,7 +493,7 @@ def section_eval(target, drafter, dataset: str, mode: str, args, work: str) -> d
                      no_hf_baseline=True, timing_repeats=args.repeats, ngram_max=args.ngram_max,
                      ngram_min=args.ngram_min, hybrid=args.hybrid and drafter is not None,
                      ngram_min_match=args.ngram_min_match if args.hybrid and drafter is not None else None,
-                     target_pass=first_pass(args))
+                     **pass_config(first_pass(args)))
     s = run_eval(cfg, target=target, drafter=drafter)
     return {k: s.get(k) for k in EVAL_KEYS}
 

@@ -114,6 +114,9 @@ def _add_common(p: argparse.ArgumentParser, *, target=False, data=False, out=Fal
         p.add_argument("--target-pass", default="auto", choices=["auto", "hf", "native"],
                        help="the target's forward: native (Llama, Qwen2, Qwen3, Gemma-3 over the HF weights), hf (the HF "
                             "modules); auto: native where the architecture has one")
+        p.add_argument("--native-compile", default="layer", choices=["layer", "whole"],
+                       help="native pass on CUDA: torch.compile each layer's two halves (layer) or the whole pass "
+                            "as one region (whole)")
     if json:
         p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 

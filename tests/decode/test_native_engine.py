@@ -118,24 +118,29 @@ def test_target_pass_choice_and_refusal(targets):
         EngineConfig(target_pass="fast").resolved()
     with pytest.raises(DraftportError, match="target_pass"):
         BatchConfig(target_pass="fast").checked()
-    assert SpecEngine(targets["llama"], None, _cfg(fuse=True)).native_compiled is False  # never compiled on the CPU
+    with pytest.raises(DraftportError, match="native_compile"):
+        EngineConfig(native_compile="everything").resolved()
+    eng = SpecEngine(targets["llama"], None, _cfg(fuse=True, native_compile="whole"))
+    assert eng.native_compiled is False and eng.native_scope is False  # never compiled on the CPU
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 def test_cuda_native_graphed_equals_eager_and_hf(family):
-    """On CUDA (fp32): the native pass with its compiled layer halves, graphed and eager, == the HF
-    modules' greedy output, with a drafter and without, chain and tree."""
+    """On CUDA (fp32): the native pass compiled (its layer halves, or the whole pass as one region), graphed
+    and eager, == the HF modules' greedy output, with a drafter and without, chain and tree."""
     t = tiny_target(family, device="cuda", dtype="fp32")
     prompt = _prompt(8).cuda()
     d = _drafter(t).to(device="cuda", dtype=t.dtype)
     want = SpecEngine(t, None, _cfg(target_pass="hf", use_cuda_graphs=False)).generate(prompt, NEW).token_ids
-    for drafter in (None, d):
-        for cfg in (_cfg(depth=3), _cfg(topk=2, depth=3, num_draft_tokens=6)):
-            for graphs in (False, True):
-                eng = SpecEngine(t, drafter, EngineConfig(**{**cfg.__dict__, "use_cuda_graphs": graphs,
-                                                             "target_pass": "native", "sdpa": "efficient"}))
-                assert eng.native_compiled and eng.fused is None
-                assert eng.generate(prompt, NEW).token_ids == want, (drafter is not None, cfg, graphs)
-                assert eng.generate(prompt, NEW).token_ids == want   # replayed graphs
-                assert not eng.native.report()["compile_failures"]
+    for scope in ("layer", "whole"):
+        for drafter in (None, d):
+            for cfg in (_cfg(depth=3), _cfg(topk=2, depth=3, num_draft_tokens=6)):
+                for graphs in (False, True):
+                    eng = SpecEngine(t, drafter, EngineConfig(**{**cfg.__dict__, "use_cuda_graphs": graphs,
+                                                                 "target_pass": "native", "sdpa": "efficient",
+                                                                 "native_compile": scope}))
+                    assert eng.native_compiled and eng.native_scope == scope and eng.fused is None
+                    assert eng.generate(prompt, NEW).token_ids == want, (scope, drafter is not None, cfg, graphs)
+                    assert eng.generate(prompt, NEW).token_ids == want   # replayed graphs
+                    assert not eng.native.report()["compile_failures"]

@@ -222,3 +222,34 @@ def test_unsupported_architectures_say_why():
         assert unsupported_reason(tiny_target(fam, num_hidden_layers=4).model) is None
     dynamic = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}  # frequencies move with the length
     assert "RoPE" in unsupported_reason(tiny_target("llama", num_hidden_layers=4, rope_parameters=dynamic).model)
+
+
+@pytest.mark.parametrize("family", ["gemma3", "llama"])
+def test_whole_pass_compiles_as_one_graph_and_matches_plain(family):
+    """compile scope "whole" (EngineConfig.native_compile): the pass from embedding to logits, cache writes
+    included, traces as ONE graph (fullgraph: a graph break would split the region the compiler may fuse
+    across) and gives the plain pass's logits, aux states and cache, prefill then steps. Traced with the
+    "eager" backend: the CPU has no Inductor toolchain guarantee; what compiles on CUDA is the same graph."""
+    torch._dynamo.reset()
+    t = _target(family)
+    total, P, S = 16, 10, 32
+    seq = _seq(3, total)
+    aux_ids = _aux_ids(t)
+    plain = NativeDecoder(t.model, positions=S)
+    whole = NativeDecoder(t.model, positions=S)
+    whole.enable_compile("whole", backend="eager", fullgraph=True)
+    assert whole.compiled_scope("whole") and not whole.compiled_scope("layer")
+    c_plain, c_whole = SlotCache(t.num_layers, S), SlotCache(t.num_layers, S)
+    for start, end in [(0, P)] + [(i, i + 1) for i in range(P, total)]:
+        a = _run(plain, c_plain, seq, start, end, S, aux_ids)
+        pos = torch.arange(start, end)
+        c_whole.slots = pos
+        with torch.no_grad():
+            b = whole.forward(seq[:, start:end], pos[None], _masks(t.model, pos, S), c_whole, aux_layers=aux_ids,
+                              compiled="whole")
+        assert torch.allclose(a.logits, b.logits, atol=ATOL) and _close_aux(b.aux, a.aux)
+    for la, lb in zip(c_plain.layers, c_whole.layers):
+        assert torch.allclose(la.keys, lb.keys, atol=ATOL) and torch.allclose(la.values, lb.values, atol=ATOL)
+    assert whole.report()["compile_failures"] == {} and whole.report()["compiled_scopes"] == ["whole"]
+    with pytest.raises(ValueError, match="compile scope"):
+        whole.enable_compile("everything")

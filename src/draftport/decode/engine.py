@@ -41,7 +41,7 @@ import torch
 from draftport.decode import sampling
 from draftport.decode.graphs import SDPA_CHOICES, Graphed, GraphSet, SlotCache, attention_layout
 from draftport.model.fusion import FusedTarget
-from draftport.model.native import check_target_pass, choose_target_pass, native_decoder
+from draftport.model.native import SCOPES, check_target_pass, choose_target_pass, native_decoder
 from draftport.errors import DraftportError
 
 
@@ -70,6 +70,8 @@ class EngineConfig:
                                          # drafts of the last token anyway (one verify shape)
     target_pass: str = "auto"            # the target's forward: "native" (model/native.py, Llama / Qwen2 / Qwen3 /
                                          # Gemma-3), "hf" (the HF modules), "auto" (native where supported)
+    native_compile: str = "layer"        # native on CUDA with fuse: torch.compile each layer's halves ("layer")
+                                         # or the whole pass as one region ("whole"); native.SCOPES
 
     @property
     def is_tree(self) -> bool:
@@ -95,6 +97,8 @@ class EngineConfig:
         if self.ngram_no_match not in ("step", "pad"):
             raise DraftportError(f"ngram_no_match must be 'step' or 'pad' (got {self.ngram_no_match!r})")
         check_target_pass(self.target_pass)
+        if self.native_compile not in SCOPES:
+            raise DraftportError(f"native_compile must be one of {', '.join(SCOPES)} (got {self.native_compile!r})")
         return dataclasses.replace(self, depth=depth, num_draft_tokens=nodes)
 
 
@@ -176,8 +180,9 @@ class SpecEngine:
         # halves are compiled instead, on CUDA only (never on the CPU, where Inductor would build C++)
         self.native = None
         self.native_compiled = fuse and self.device.type == "cuda" and self.target_pass_kind == "native"
+        self.native_scope = self.cfg.native_compile if self.native_compiled else False  # what forward runs
         if self.target_pass_kind == "native":
-            self.native = native_decoder(self.model, positions=self.S, compile=self.native_compiled)
+            self.native = native_decoder(self.model, positions=self.S, compile=self.native_scope)
         self.fused = FusedTarget(self.model) if fuse and self.native is None else None
         self.dfused = None
         self.aux_layers: list[int] = []
@@ -245,7 +250,7 @@ class SpecEngine:
             if self.native is not None:
                 out = self.native.forward(ids, pos[None], masks, self.cache,
                                           aux_layers=self.aux_layers if with_aux else (),
-                                          logits="last" if last_only else "all", compiled=self.native_compiled)
+                                          logits="last" if last_only else "all", compiled=self.native_scope)
                 return (out.logits[0],) if not with_aux else (out.logits[0], out.aux[0])
             mask = masks if len(masks) > 1 else next(iter(masks.values()))
             keep = {"logits_to_keep": 1} if last_only else {}

@@ -62,6 +62,7 @@ class EvalConfig:
     fuse: bool | None = None             # engine's compiled target pass (default: on CUDA)
     sdpa: str = "auto"                   # engine's target attention kernel
     target_pass: str = "auto"            # engine's target forward: native | hf | auto (native where supported)
+    native_compile: str = "layer"        # native on CUDA: compile each layer's halves ("layer") or the whole pass
     device: str | None = None            # default: cuda when available
     dtype: str | None = None             # default: bf16 on cuda, fp32 on cpu
     seed: int = 0
@@ -92,6 +93,7 @@ class GenerateConfig:
     fuse: bool | None = None
     sdpa: str = "auto"
     target_pass: str = "auto"
+    native_compile: str = "layer"
     device: str | None = None
     dtype: str | None = None
     seed: int = 0
@@ -520,17 +522,17 @@ def eval_engines(cfg: EvalConfig, target, drafter, prompts: list[list[int]], N: 
 
     ecfg = EngineConfig(depth=cfg.depth, topk=cfg.topk, num_draft_tokens=cfg.num_draft_tokens,
                         temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed, fuse=cfg.fuse,
-                        sdpa=cfg.sdpa, target_pass=cfg.target_pass).resolved()
+                        sdpa=cfg.sdpa, target_pass=cfg.target_pass, native_compile=cfg.native_compile).resolved()
     k = ecfg.depth
     per_cycle = max(ecfg.num_draft_tokens, k + 1, (k - 1) * ecfg.topk + 1)
     ecfg.max_len = max(len(p) for p in prompts) + N + k + per_cycle + 8
     base = SpecEngine(target, None, EngineConfig(temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed,
                                                  max_len=ecfg.max_len, fuse=cfg.fuse, sdpa=cfg.sdpa,
-                                                 target_pass=cfg.target_pass))
+                                                 target_pass=cfg.target_pass, native_compile=cfg.native_compile))
     spec = SpecEngine(target, None, ecfg, lookup=lk) if ngram_only else SpecEngine(target, drafter, ecfg)
     # the floor: prompt lookup with the drafter's depth; it and the hybrid are chains, also beside a tree
     chain_cfg = EngineConfig(depth=k, temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed, max_len=ecfg.max_len,
-                             fuse=cfg.fuse, sdpa=cfg.sdpa, target_pass=cfg.target_pass)
+                             fuse=cfg.fuse, sdpa=cfg.sdpa, target_pass=cfg.target_pass, native_compile=cfg.native_compile)
     floor = None if ngram_only or lk is None else SpecEngine(target, None, chain_cfg, lookup=lk)
     hyb = SpecEngine(target, drafter, chain_cfg, lookup=hyb_lk) if hyb_lk is not None else None
     return ecfg, base, spec, floor, hyb
@@ -754,7 +756,8 @@ def eval_summary(run: EvalRun, tally: EvalTally, prompts: list[list[int]]) -> di
                                              "max_len": ecfg.max_len, "cuda_graphs": spec.use_graphs,
                                              "fused": spec.fused is not None, "sdpa": ecfg.sdpa,
                                              "target_pass": spec.target_pass_kind,
-                                             "native": ({**spec.native.report(), "compiled": spec.native_compiled}
+                                             "native": ({**spec.native.report(), "compiled": spec.native_compiled,
+                                                         "scope": spec.native_scope}
                                                         if spec.native is not None else None),
                                              "sdpa_choices": {"baseline": base.sdpa_choices(),
                                                               "speculative": spec.sdpa_choices(),
@@ -907,7 +910,7 @@ def run_generate(cfg: GenerateConfig, *, target=None, drafter=None) -> dict:
     stops = stop_token_ids(target.tokenizer, cfg.chat_template, target.eos_token_ids)
     ecfg = EngineConfig(depth=cfg.depth, topk=cfg.topk, num_draft_tokens=cfg.num_draft_tokens,
                         temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed, fuse=cfg.fuse,
-                        sdpa=cfg.sdpa, target_pass=cfg.target_pass).resolved()
+                        sdpa=cfg.sdpa, target_pass=cfg.target_pass, native_compile=cfg.native_compile).resolved()
     ecfg.max_len = len(ids) + N + max(ecfg.num_draft_tokens, ecfg.depth + 1, (ecfg.depth - 1) * ecfg.topk + 1) + 8
     engine = SpecEngine(target, drafter, ecfg, lookup=lk)
     speculative = drafter is not None or lk is not None

@@ -29,7 +29,9 @@ same shape. This module is that plain decoder, reading the HF model's parameters
     compile    optional (CUDA with fusion on): the two elementwise-heavy halves of a layer (norm, qkv
                projection, q/k norms, rotary; o-projection, residuals, norms, MLP) each under torch.compile,
                one compiled function shared by every layer (weights are arguments), the cache write and the
-               attention kernel left eager between them so the engine's kernel choice (--sdpa) still applies.
+               attention kernel left eager between them so the engine's kernel choice (--sdpa) still applies;
+               or (scope "whole") the whole pass as one compiled region, cache writes included, so fusion
+               may cross those seams (the attention kernel is then the one chosen when it was traced).
 
 `unsupported_reason(model)` says why a model cannot use this path (None when it can); `native_decoder(model)`
 builds the decoder once per model and returns the same one afterwards.
@@ -54,6 +56,9 @@ FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text":
 # a fixed table cannot reproduce them.
 _DYNAMIC_ROPE = ("dynamic", "longrope")
 TARGET_PASSES = ("auto", "hf", "native")  # EngineConfig.target_pass, BatchConfig.target_pass, --target-pass
+
+
+SCOPES = ("layer", "whole")  # what enable_compile compiles: each layer's two halves, or the whole pass
 
 
 def check_target_pass(value: str) -> None:
@@ -241,7 +246,7 @@ class NativeDecoder:
         cache: a Cache whose `layers[i].update(k, v)` writes layer i's new keys/values where its owner says
         and returns that layer's full key/value buffers [B, Hkv, S, D] (SlotCache, RowCache)."""
 
-    def __init__(self, model, positions: int = 2048, compile: bool = False):
+    def __init__(self, model, positions: int = 2048, compile: bool | str = False):
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(reason)
@@ -280,8 +285,9 @@ class NativeDecoder:
         # {compiled?: (attn_in, attn_out_mlp)}: both kept, so an engine with fusion off still runs the plain
         # functions after another engine over the same model switched compilation on
         self._fns = {False: (plain_in, plain_out)}
+        self._whole = None  # the whole pass compiled (enable_compile("whole"))
         if compile:
-            self.enable_compile()
+            self.enable_compile(SCOPES[0] if compile is True else compile)
 
     # -- binding the HF weights ---------------------------------------------------------------
     def _norm_weight(self, norm) -> torch.Tensor:
@@ -344,29 +350,44 @@ class NativeDecoder:
         self._tables, self.positions = tables, n
 
     # -- compile ------------------------------------------------------------------------------
-    def enable_compile(self) -> None:
-        """The two halves of a layer under torch.compile (CUDA; the engine asks only with fusion on). A
-        compile failure falls back to the plain function with a warning (fusion._FallBack)."""
+    def enable_compile(self, scope: str = "layer", backend: str = "inductor", fullgraph: bool = False) -> None:
+        """torch.compile (CUDA; the engine asks only with fusion on). scope "layer": the two halves of a layer,
+        one compiled function for every layer, the cache write and attention eager between them. "whole": the
+        pass from embedding to logits as one region, so the compiler may fuse across those seams and layers
+        (issue 24 asks for whichever measures faster). A compile failure falls back to the plain function with a
+        warning (fusion._FallBack). backend / fullgraph: tests trace on the CPU with backend "eager"."""
         from draftport.model.fusion import _FallBack, raise_recompile_limit
 
-        if self.compiled:
+        if scope not in SCOPES:
+            raise ValueError(f"compile scope must be one of {', '.join(SCOPES)} (got {scope!r})")
+        if self.compiled_scope(scope):
             return
         raise_recompile_limit(64)  # T = 1, verify widths, prefill lengths (dims go symbolic after a change)
+        if scope == "whole":
+            plain = functools.partial(self._body, fns=self._fns[False])
+            self._whole = _FallBack(plain, torch.compile(plain, dynamic=None, backend=backend, fullgraph=fullgraph))
+            self._whole.__name__ = "native_whole_pass"
+            return
         fns = []
         for fn, name in zip(self._fns[False], ("native_attn_in", "native_attn_out_mlp")):
-            c = _FallBack(fn, torch.compile(fn, dynamic=None))
+            c = _FallBack(fn, torch.compile(fn, dynamic=None, backend=backend, fullgraph=fullgraph))
             c.__name__ = name
             fns.append(c)
         self._fns[True] = tuple(fns)
 
+    def compiled_scope(self, scope: str) -> bool:
+        return self._whole is not None if scope == "whole" else True in self._fns
+
     @property
     def compiled(self) -> bool:
-        """Whether the compiled layer halves exist (a forward uses them only when it asks)."""
-        return True in self._fns
+        """Whether any compiled pass exists (a forward uses one only when it asks)."""
+        return True in self._fns or self._whole is not None
 
     def report(self) -> dict:
-        fails = {f.__name__: f.failed for f in self._fns.get(True, ()) if f.failed}
+        fns = list(self._fns.get(True, ())) + ([self._whole] if self._whole is not None else [])
+        fails = {f.__name__: f.failed for f in fns if f.failed}
         return {"family": self.family, "layers": self.num_layers, "compiled": self.compiled,
+                "compiled_scopes": [sc for sc in SCOPES if self.compiled_scope(sc)],
                 "rope_positions": self.positions, "compile_failures": fails}
 
     # -- the pass -----------------------------------------------------------------------------
@@ -385,17 +406,28 @@ class NativeDecoder:
         return out
 
     def forward(self, ids: torch.Tensor, pos: torch.Tensor, masks, cache, aux_layers: Sequence[int] = (),
-                logits: str | None = "all", compiled: bool = False) -> NativeOutput:
-        """logits: "all" (every row), "last" (the last row only) or None (hidden states only); compiled: run
-        the compiled layer halves (enable_compile first; without them the plain ones run)."""
+                logits: str | None = "all", compiled: bool | str = False) -> NativeOutput:
+        """logits: "all" (every row), "last" (the last row only) or None (hidden states only); compiled: False
+        (plain), "layer" (or True: the compiled layer halves) or "whole" (the whole pass as one compiled
+        region); a scope not enabled (enable_compile) runs plain."""
+        scope = SCOPES[0] if compiled is True else (compiled or None)
+        aux_layers = tuple(int(i) for i in aux_layers)
+        if scope == "whole" and self._whole is not None:
+            out = self._whole(ids, pos, masks, cache, aux_layers, logits)
+        else:
+            out = self._body(ids, pos, masks, cache, aux_layers, logits, self._fns.get(scope == "layer", self._fns[False]))
+        return NativeOutput(*out)
+
+    def _body(self, ids, pos, masks, cache, aux_layers: tuple, logits, fns):
+        """The pass itself -> (logits, aux, last_hidden): a tuple, so one torch.compile region can return it."""
         B, T = ids.shape
-        attn_in_fn, attn_out_fn = self._fns.get(bool(compiled), self._fns[False])
+        attn_in_fn, attn_out_fn = fns
         x = self.embed(ids)
         flat = pos.reshape(-1)
         rope = {kind: (c.index_select(0, flat).view(B, T, -1), s.index_select(0, flat).view(B, T, -1))
                 for kind, (c, s) in self._tables.items()}
         masks = self._masks(masks, T)
-        want = set(int(i) for i in aux_layers)
+        want = set(aux_layers)
         grabbed: dict[int, torch.Tensor] = {}
         for i, L in enumerate(self.layers):
             if i in want:
@@ -413,20 +445,21 @@ class NativeDecoder:
         if logits is not None:
             h = last[:, -1:] if logits == "last" else last
             out_logits = apply_logit_postprocessing(F.linear(h, self.head_weight), self.model.config)
-        return NativeOutput(logits=out_logits, aux=aux, last_hidden=last)
+        return out_logits, aux, last
 
     __call__ = forward
 
 
-def native_decoder(model, positions: int = 2048, compile: bool = False) -> NativeDecoder:
+def native_decoder(model, positions: int = 2048, compile: bool | str = False) -> NativeDecoder:
     """The model's native decoder, built once (the fused weights are the model's own from then on) and
-    shared by every engine over it; its rotary tables grown to `positions`, compile switched on if asked."""
+    shared by every engine over it; its rotary tables grown to `positions`; compile (True = "layer", or a
+    scope) switched on if asked."""
     dec = getattr(model, "_draftport_native", None)
     if dec is None or not dec.still_bound():
-        dec = NativeDecoder(model, positions=positions, compile=compile)
+        dec = NativeDecoder(model, positions=positions)
         # a plain attribute: not a Module, Parameter or buffer, so state_dict, .to() and parameters() skip it
         model._draftport_native = dec
     dec.ensure_positions(positions)
-    if compile and not dec.compiled:
-        dec.enable_compile()
+    if compile:
+        dec.enable_compile(SCOPES[0] if compile is True else compile)
     return dec
