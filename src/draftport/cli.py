@@ -67,6 +67,18 @@ def _token_counts(text: str) -> list[int]:
     return out
 
 
+def _study_sizes(text: str) -> str:
+    """study --sizes: checked here (one line, exit 2), kept as text; study.parse_sizes decides the unit."""
+    from draftport.errors import DraftportError
+    from draftport.study.study import parse_sizes
+
+    try:
+        parse_sizes(text)
+    except DraftportError as exc:
+        raise argparse.ArgumentTypeError(str(exc))
+    return text
+
+
 def _aux_list(text: str) -> list[int]:
     """--aux-layers: unique ids in ascending order, the order both engines feed them (check/layers.py)."""
     from draftport.check.layers import validate_aux_ids
@@ -265,8 +277,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target-a", required=True)
     p.add_argument("--drafter-a", required=True)
     p.add_argument("--target-b", required=True)
-    p.add_argument("--sizes", type=_int_list, default=None, help="data sizes for the scaling curve, e.g. 50,200")
-    p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--sizes", type=_study_sizes, default=None,
+                   help="data sizes of the scaling curve: samples (50,200) or tokens (125k,500k,1M,2M: every entry "
+                        "with a k/M/G suffix; capture then takes --max-samples prompts, default all of --data)")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps of every run (default one epoch)")
+    p.add_argument("--epochs", type=float, default=None,
+                   help="instead of --steps: each run's steps = epochs × its training samples / batch size")
     p.add_argument("--ttt-steps", type=int, default=7)
     p.add_argument("--prompts", default="mt-bench")
     p.add_argument("--max-new-tokens", type=int, default=None)
@@ -275,8 +291,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--probe-samples", type=int, default=64, help="conversations the probe compares")
     p.add_argument("--depth", type=int, default=3, help="chain depth of every eval")
     p.add_argument("--lr", type=float, default=None, help="training learning rate")
+    p.add_argument("--transfer-lr", type=float, default=None, help="the transfer runs' learning rate (default --lr)")
+    p.add_argument("--lm-head-from-target", action="store_true",
+                   help="scratch runs: lm_head rows start as the target's head rows")
     p.add_argument("--regenerate", action="store_true", help="target B writes the assistant turns before capture")
     p.add_argument("--regen-batch-size", type=int, default=None, help="regeneration: prompts per batched generate")
+    p.add_argument("--samples-per-prompt", type=int, default=1, help="regeneration: answers per prompt")
+    p.add_argument("--temperature", type=float, default=0.0, help="regeneration temperature (0 = greedy)")
+    p.add_argument("--regen-new-tokens", type=int, default=None, help="regeneration: tokens per answer")
     p.add_argument("--restart", action="store_true", help="start the study over instead of resuming")
     _add_common(p, data=True, out=True, samples=True, device=True, seed=True, template=True)
 

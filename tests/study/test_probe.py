@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 import numpy as np
 import pytest
@@ -43,6 +44,10 @@ def train_drafter(target_dir: str, data: str, out: str, steps: int = 40, depth: 
     from draftport.data.chat import tokenize_conversation
     from draftport.data.conversations import load_conversations
     from draftport.model.target import load_target
+
+    decode_tests = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "decode")
+    if decode_tests not in sys.path:  # pytest puts tests/decode on the path only when it collects it too
+        sys.path.insert(0, decode_tests)
     from test_offline import train_tiny_drafter
 
     target = load_target(target_dir, device="cpu", dtype="fp32")

@@ -9,6 +9,7 @@ import os
 import pytest
 
 from draftport import economics
+from draftport.errors import DraftportError
 from draftport.study.study import Stages, StudyConfig, build_rows, economics_row, run_study
 
 
@@ -74,11 +75,8 @@ def test_stages_cache_resume_and_invalidate(tmp_path):
     assert st4.run("s", {"x": 2}, body("d")) == {"tag": "d"}
 
 
-@pytest.mark.slow
-def test_study_end_to_end_on_tiny_targets(tmp_path):
-    """A = tiny Llama, B = A with layers >= 3 perturbed, DA = a drafter trained for A: every stage runs, the
-    table has plug-in + transfer/scratch at both sizes with measured τ/tok/s/economics, the report has its
-    plots, and a rerun does no work."""
+def _tiny_pair(tmp_path):
+    """A = tiny Llama, B = A with layers >= 3 perturbed, DA = a drafter trained for A, 8 conversations, 2 prompts."""
     import torch
 
     from test_probe import save_target, train_drafter, write_convs
@@ -99,6 +97,15 @@ def test_study_end_to_end_on_tiny_targets(tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": q}) + "\n" for q in ("Tell me about the sea.", "Count to ten.")))
     drafter = train_drafter(path_a, data, str(tmp_path / "da"))
+    return path_a, path_b, data, prompts, drafter
+
+
+@pytest.mark.slow
+def test_study_end_to_end_on_tiny_targets(tmp_path):
+    """A = tiny Llama, B = A with layers >= 3 perturbed, DA = a drafter trained for A: every stage runs, the
+    table has plug-in + transfer/scratch at both sizes with measured τ/tok/s/economics, the report has its
+    plots, and a rerun does no work."""
+    path_a, path_b, data, prompts, drafter = _tiny_pair(tmp_path)
     cfg = StudyConfig(target_a=path_a, drafter_a=drafter, target_b=path_b, data=data, out=str(tmp_path / "study"),
                       sizes=[4, 8], steps=8, batch_size=2, max_len=64, prompts=str(prompts), max_new_tokens=16,
                       eval_prompts=2, probe_samples=6, device="cpu", lr=1e-2)
@@ -127,3 +134,39 @@ def test_study_end_to_end_on_tiny_targets(tmp_path):
     again = run_study(cfg)  # resumable: every stage cached, the same table
     assert all(v["cached"] for k, v in again["stage_timings"].items() if k != "report")
     assert json.loads(json.dumps(again["rows"])) == json.loads(json.dumps(rows))
+
+
+@pytest.mark.slow
+def test_study_token_sizes_end_to_end(tmp_path):
+    """--sizes in tokens with --epochs: each size trains on the fewest captured samples reaching its tokens,
+    transfer and scratch the same steps (the same epochs), every eval with the floor and the hybrid; the
+    summary states tokens and samples and the data ratio."""
+    from draftport.data.store import Store
+
+    path_a, path_b, data, prompts, drafter = _tiny_pair(tmp_path)
+    cfg = StudyConfig(target_a=path_a, drafter_a=drafter, target_b=path_b, data=data, out=str(tmp_path / "study"),
+                      sizes="0.2k,0.4k", epochs=2, batch_size=2, max_len=64, prompts=str(prompts), max_new_tokens=8,
+                      eval_prompts=1, probe_samples=4, device="cpu", lr=1e-2, lm_head_from_target=True)
+    s = run_study(cfg)
+    lengths = Store(tmp_path / "study" / "capture").lengths.tolist()
+    assert len(lengths) == 8  # token sizes capture every prompt given (no --max-samples)
+    assert s["size_unit"] == "tokens" and [p["label"] for p in s["size_points"]] == ["200", "400"]
+    for p in s["size_points"]:
+        n = p["samples"]
+        assert sum(lengths[:n]) == p["tokens"] >= p["size"] > sum(lengths[:n - 1])
+    rows = s["rows"][1:]
+    assert [(r["drafter"], r["label"]) for r in rows] == [("transfer", "200"), ("scratch", "200"),
+                                                          ("transfer", "400"), ("scratch", "400")]
+    for t, sc in (rows[:2], rows[2:]):
+        assert t["steps"] == sc["steps"] and t["epochs"] == pytest.approx(sc["epochs"])
+        assert t["epochs"] == pytest.approx(2.0, rel=0.5)  # rounded to whole steps of 2 samples
+        assert t["hybrid_accept_len"] >= 1.0 and sc["floor_accept_len"] >= 1.0
+    train = json.load(open(tmp_path / "study" / "train-scratch-200" / "stage.json"))["config"]
+    assert train["lm_head_from_target"] is True and "lm_head_from_target" not in \
+        json.load(open(tmp_path / "study" / "train-transfer-200" / "stage.json"))["config"]
+    assert s["data_ratio"]["unit"] == "tokens" and s["data_ratio"]["scratch_size"] == s["size_points"][-1]["tokens"]
+    md = open(s["report_md"], encoding="utf-8").read()
+    assert "Sizes (tokens as asked" in md and "Scratch at its largest size" in md
+    big = StudyConfig(**{**cfg.__dict__, "sizes": "1M"})
+    with pytest.raises(DraftportError, match="the capture holds"):
+        run_study(big)

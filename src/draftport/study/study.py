@@ -8,10 +8,19 @@ The seed's game plan, run instead of written by hand. Stages, each in its own su
     probe                 hidden-state similarity of A and B + plug-in τ (offline), probe.run_probe, on
                           the captured conversations (B's own answers when regenerated)
     train-transfer-N      fine-tune A's drafter on the first N samples (--init-from: keeps its vocab map)
-    train-scratch-N       a fresh drafter on the same N samples, same steps
+    train-scratch-N       a fresh drafter on the same N samples, same steps (so the same epochs)
     eval-plugin           online τ and tok/s of A's drafter on B with no training
-    eval-<recipe>-N       online τ and tok/s on B of every trained drafter (vs no speculation)
+    eval-<recipe>-N       online τ and tok/s on B of every trained drafter (vs no speculation), each eval
+                          also running prompt lookup (the floor) and the hybrid on the same prompts
     report                the table (`rows` in summary.json), economics, plots, report.md + report.html
+
+Sizes: `--sizes 100,400` are sample counts (capture takes max(sizes) prompts); `--sizes 125k,500k,1M,2M`
+(every entry with a k / M / G suffix) are token counts: capture takes --max-samples prompts (default all of
+--data), and each size trains on the shortest prefix of the captured samples holding at least that many
+tokens (all tokens of a sample, prompt and answer: what `train` counts as tokens seen). N in a stage name
+is the size as given ("125k"). The report states every size in tokens and samples. --epochs sets each run's
+steps from its own training samples (the same epochs at every size, for transfer and scratch alike);
+--steps instead gives every run the same steps (then epochs fall as the size grows).
 
 Resume: a stage records its config hash in `stage.json` when it starts and writes `done.json` (hash,
 result, seconds) when it ends. A rerun skips stages whose done.json matches; a stage that was
@@ -24,6 +33,7 @@ time that would make a drafter pay, v* = τ / baseline − (cycle − verify).
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dataclasses
 import hashlib
@@ -46,6 +56,7 @@ DONE_FILE = "done.json"      # written when it ends: hash, result, seconds
 DEFAULT_SIZES = [50, 200]
 DEFAULT_EVAL_PROMPTS = 8
 DEFAULT_PROBE_SAMPLES = 64
+TOKEN_SUFFIXES = "kKmMgG"    # a size with one of these is a token count (cli._token_counts' scale)
 
 
 @dataclass
@@ -55,8 +66,10 @@ class StudyConfig:
     target_b: str                       # the new target
     data: str                           # training / probe data: sharegpt | JSON/JSONL | … (B's samples ideally)
     out: str                            # study directory (resumed when rerun)
-    sizes: list[int] | None = None      # training-set sizes of the scaling curve (None: 50,200 or from --max-samples)
-    steps: int | None = None            # optimizer steps per training run (None: train's default)
+    sizes: str | list[int] | None = None  # the scaling curve's sizes: "125k,2M" tokens, "50,200" / [50, 200]
+                                        # samples (None: 50,200 samples or from --max-samples)
+    steps: int | None = None            # optimizer steps per training run (None: train's default, one epoch)
+    epochs: float | None = None         # instead of --steps: steps = epochs × the run's training samples / batch
     ttt_steps: int = 7                  # training-time-test unroll
     prompts: str = "mt-bench"           # online eval prompts: mt-bench | humaneval | sharegpt | FILE
     max_new_tokens: int | None = None   # eval: tokens generated per prompt (None: eval's default)
@@ -73,8 +86,13 @@ class StudyConfig:
     depth: int = 3                      # chain depth for every eval (and the offline τ)
     engine: str = "sglang"              # whose aux-id rule decides the drafter's layers
     lr: float | None = None             # training learning rate (None: train's default)
+    transfer_lr: float | None = None    # the transfer runs' learning rate (None: --lr)
+    lm_head_from_target: bool = False   # scratch runs: lm_head rows start as the target's head rows (the recipe)
     regenerate: bool = False            # capture: B writes the assistant turns first (B's own samples)
     regen_batch_size: int | None = None  # regeneration: prompts per batched generate (None: capture's default)
+    samples_per_prompt: int = 1         # regeneration: answers per prompt (needs temperature > 0 to differ)
+    temperature: float = 0.0            # regeneration sampling temperature (0 = greedy)
+    regen_new_tokens: int | None = None  # regeneration: tokens per answer (None: capture's default)
     restart: bool = False               # clear --out and start over
     json: bool = False                  # print summary.json's object on stdout
 
@@ -172,14 +190,21 @@ def _eval_fields(s: dict) -> dict:
     out = {k: s.get(k) for k in keys}
     floor = s.get("floor") or {}                 # prompt lookup on the same prompts, same run (issue 20)
     out.update(floor_accept_len=floor.get("accept_len"), floor_tok_s=floor.get("tok_s"))
+    hybrid = s.get("hybrid") or {}               # prompt lookup when its match is long enough, else the drafter
+    out.update(hybrid_accept_len=hybrid.get("accept_len"), hybrid_tok_s=hybrid.get("tok_s"))
     return out
 
 
 def build_rows(plugin: dict, runs: list[dict]) -> list[dict]:
-    """One row per drafter evaluated on B: plug-in first, then transfer/scratch by size."""
+    """One row per drafter evaluated on B: plug-in first, then transfer/scratch by size. `size` is the size
+    as asked (its unit the study's), `samples` / `tokens` the subset trained on, `epochs` = steps × batch /
+    training samples."""
     rows = []
     for rec in [plugin, *runs]:
-        row = {"drafter": rec["recipe"], "samples": rec["samples"], "steps": rec.get("steps"),
+        row = {"drafter": rec["recipe"], "size": rec.get("size", rec["samples"]), "unit": rec.get("unit", "samples"),
+               "label": rec.get("label"),
+               "samples": rec["samples"], "tokens": rec.get("tokens"), "train_samples": rec.get("train_samples"),
+               "steps": rec.get("steps"), "epochs": rec.get("epochs"),
                "train_accept_len": rec.get("train_accept_len"), **_eval_fields(rec["eval"])}
         if row["accept_len"] is not None and row["cycle_ms"] and row["baseline_tok_s"]:
             row.update(economics_row(row["accept_len"], row["cycle_ms"], row["verify_ms"] or row["cycle_ms"],
@@ -189,18 +214,151 @@ def build_rows(plugin: dict, runs: list[dict]) -> list[dict]:
     return rows
 
 
+def transfer_data_ratio(rows: list[dict], key: str = "tokens") -> dict | None:
+    """Issue 22's goal, measured: the share of scratch's data at which transfer first reaches scratch's τ
+    at its largest size. Measured: the smallest transfer size whose online τ ≥ that τ, over the largest
+    size (an upper bound: a size between two measured ones might do). Interpolated: where transfer's τ
+    crosses it, linear in log(size) between the bracketing points. None where a recipe has no τ."""
+    import math
+
+    def curve(recipe):
+        return sorted((r[key], r["accept_len"]) for r in rows
+                      if r["drafter"] == recipe and r.get(key) and r.get("accept_len") is not None)
+
+    tr, sc = curve("transfer"), curve("scratch")
+    if not tr or not sc:
+        return None
+    (s_size, s_tau) = sc[-1]
+    out = {"unit": key, "scratch_size": s_size, "scratch_accept_len": s_tau, "transfer_size": None, "ratio": None,
+           "ratio_interpolated": None, "reached": False, "goal_ratio": 0.25, "goal_met": False}
+    first = next((i for i, (_, t) in enumerate(tr) if t >= s_tau), None)
+    if first is None:
+        return out  # transfer never reaches it at the sizes measured
+    size = tr[first][0]
+    out.update(transfer_size=size, ratio=size / s_size, reached=True)
+    if first == 0:
+        out["ratio_interpolated"] = None  # reached at the smallest size: only the upper bound is known
+    else:
+        (x0, y0), (x1, y1) = tr[first - 1], tr[first]
+        f = (s_tau - y0) / (y1 - y0) if y1 != y0 else 1.0
+        out["ratio_interpolated"] = math.exp(math.log(x0) + f * (math.log(x1) - math.log(x0))) / s_size
+    out["goal_met"] = out["ratio"] <= out["goal_ratio"]
+    return out
+
+
+def ratio_sentence(ratio: dict | None, label=str) -> str:
+    """The data ratio in words, for the report and examples/port_table.py."""
+    if ratio is None:
+        return "Transfer against scratch: no measured τ for one of them."
+    unit = ratio["unit"]
+    head = (f"Scratch at its largest size ({label(ratio['scratch_size'])} {unit}) reaches τ "
+            f"{ratio['scratch_accept_len']:.2f}; ")
+    if not ratio["reached"]:
+        return head + "transfer does not reach it at any size measured (goal: ≤ 1/4 of the data: not met)."
+    interp = (f", ≈ {ratio['ratio_interpolated']:.2f} interpolated in log size"
+              if ratio["ratio_interpolated"] is not None else " (reached at the smallest size: an upper bound)")
+    return head + (f"transfer reaches it at {label(ratio['transfer_size'])} {unit}: {ratio['ratio']:.3g}× scratch's "
+                   f"data{interp}. Goal ≤ 1/4: {'met' if ratio['goal_met'] else 'not met'}.")
+
+
 # ---------------------------------------------------------------------------------------------
 # The stages' bodies
 
 
-def _sizes(cfg: StudyConfig) -> list[int]:
-    sizes = cfg.sizes or ([max(1, cfg.max_samples // 4), cfg.max_samples] if cfg.max_samples else DEFAULT_SIZES)
-    sizes = sorted(set(int(s) for s in sizes))
-    if sizes[0] < 1:
-        raise DraftportError(f"--sizes must be positive sample counts, got {sizes}")
-    if cfg.max_samples is not None and sizes[-1] > cfg.max_samples:
-        raise DraftportError(f"--sizes {sizes} asks for more than --max-samples {cfg.max_samples}")
+@dataclass(frozen=True)
+class Sizes:
+    """The scaling curve's sizes: `values` ascending, in `unit` ("samples" or "tokens")."""
+    unit: str
+    values: tuple[int, ...]
+
+    @property
+    def tokens(self) -> bool:
+        return self.unit == "tokens"
+
+    def label(self, n: int) -> str:
+        return token_label(n) if self.tokens else str(n)
+
+
+def token_label(n: int) -> str:
+    """500000 -> '0.5M', 2000000 -> '2M', 125000 -> '125k' (examples/learning_curve.py writes the same)."""
+    if n >= 5 * 10 ** 5:
+        return f"{n / 10 ** 6:.3g}M"
+    return f"{n / 10 ** 3:.3g}k" if n >= 10 ** 3 else str(n)
+
+
+def parse_sizes(spec) -> Sizes:
+    """--sizes: "125k,500k,1M,2M" -> tokens (every entry suffixed k / M / G); "50,200" or [50, 200] ->
+    samples, as before. A list that mixes the two is refused: "1M,400" has no single unit."""
+    from draftport.cli import _token_counts
+
+    parts = [str(x).strip() for x in (spec.split(",") if isinstance(spec, str) else spec) if str(x).strip()]
+    if not parts:
+        raise DraftportError("--sizes: expected sample counts (50,200) or token counts (125k,2M), got nothing")
+    suffixed = [p[-1] in TOKEN_SUFFIXES for p in parts]
+    if any(suffixed) and not all(suffixed):
+        raise DraftportError(f"--sizes {','.join(parts)}: mixes token counts (k/M/G) and plain sample counts; "
+                             "give one unit")
+    try:
+        values = _token_counts(",".join(parts)) if all(suffixed) else [int(p) for p in parts]
+    except (ValueError, argparse.ArgumentTypeError) as exc:
+        raise DraftportError(f"--sizes {','.join(parts)}: {exc}") from None
+    if min(values) < 1:
+        raise DraftportError(f"--sizes must be positive counts, got {','.join(parts)}")
+    return Sizes("tokens" if all(suffixed) else "samples", tuple(sorted(set(values))))
+
+
+def _sizes(cfg: StudyConfig) -> Sizes:
+    if cfg.sizes is None:
+        return Sizes("samples", tuple(sorted({max(1, cfg.max_samples // 4), cfg.max_samples} if cfg.max_samples
+                                             else set(DEFAULT_SIZES))))
+    sizes = parse_sizes(cfg.sizes)
+    if not sizes.tokens and cfg.max_samples is not None and sizes.values[-1] > cfg.max_samples:
+        raise DraftportError(f"--sizes {list(sizes.values)} asks for more than --max-samples {cfg.max_samples}")
+    if cfg.steps is not None and cfg.epochs is not None:
+        raise DraftportError("--steps and --epochs both set: give one (--epochs sizes each run's steps)")
+    if cfg.epochs is not None and cfg.epochs <= 0:
+        raise DraftportError(f"--epochs must be positive, got {cfg.epochs}")
     return sizes
+
+
+def size_points(sizes: Sizes, lengths, seed: int = 0, where: str | None = None) -> list[dict]:
+    """Each size's training subset of a capture whose samples have `lengths` tokens (in store order): the
+    first n samples, n = the size (samples), or the fewest whose tokens reach the size (tokens: the subset
+    overshoots by less than one sample). -> [{"size", "label", "samples", "tokens", "train_samples"}];
+    train_samples: those `train` trains on after holding out its validation share (same split, same seed)."""
+    import itertools
+
+    from draftport.data.conversations import split_train_val
+    from draftport.train.config import TrainConfig
+
+    lengths = [int(x) for x in lengths]
+    cum = list(itertools.accumulate(lengths))
+    total = cum[-1] if cum else 0
+    val_fraction = TrainConfig(target="", data="").val_fraction
+    out = []
+    for size in sizes.values:
+        if sizes.tokens:
+            if size > total:
+                raise DraftportError(f"--sizes {token_label(size)} tokens: the capture holds {total:,} tokens in "
+                                     f"{len(lengths):,} samples; give more prompts (--max-samples, a longer --data) "
+                                     "or smaller sizes", where)
+            n = next(i for i, c in enumerate(cum) if c >= size) + 1
+        else:
+            n = min(size, len(lengths))
+        train_n = len(split_train_val(n, val_fraction, seed)[0])
+        out.append({"size": size, "label": sizes.label(size), "samples": n, "tokens": cum[n - 1] if n else 0,
+                    "train_samples": train_n})
+    return out
+
+
+def steps_for(cfg: StudyConfig, point: dict) -> int | None:
+    """A run's optimizer steps: --steps as given, or --epochs over its own training samples."""
+    if cfg.epochs is None:
+        return cfg.steps
+    from draftport.train.config import TrainConfig
+
+    batch = TrainConfig(target="", data="", batch_size=cfg.batch_size).resolved("cpu").batch_size
+    return max(1, round(cfg.epochs * point["train_samples"] / batch))
 
 
 def stage_check(cfg: StudyConfig) -> dict:
@@ -234,23 +392,27 @@ def stage_probe(cfg: StudyConfig, d: str, data: str) -> dict:
     return s
 
 
-def stage_capture(cfg: StudyConfig, d: str, layers: list[int], n: int) -> dict:
+def stage_capture(cfg: StudyConfig, d: str, layers: list[int], n: int | None) -> dict:
     from draftport.train.capture import CaptureConfig, run_capture
 
     return run_capture(CaptureConfig(target=cfg.target_b, data=cfg.data, out=d, max_samples=n, max_len=cfg.max_len,
                                      aux_layers=layers, chat_template=cfg.chat_template, device=cfg.device,
                                      dtype=cfg.dtype, seed=cfg.seed, regenerate=cfg.regenerate,
-                                     regen_batch_size=cfg.regen_batch_size, trust_remote_code=cfg.trust_remote_code),
+                                     regen_batch_size=cfg.regen_batch_size, samples_per_prompt=cfg.samples_per_prompt,
+                                     temperature=cfg.temperature, max_new_tokens=cfg.regen_new_tokens,
+                                     trust_remote_code=cfg.trust_remote_code),
                        console=Console(stderr=True))
 
 
-def stage_train(cfg: StudyConfig, d: str, store: str, n: int, init_from: str | None) -> dict:
+def stage_train(cfg: StudyConfig, d: str, store: str, n: int, init_from: str | None, steps: int | None) -> dict:
     from draftport.train import loop as train
     from draftport.train.config import TrainConfig
 
+    lr = (cfg.transfer_lr or cfg.lr) if init_from else cfg.lr
     tcfg = make_config(TrainConfig, target=cfg.target_b, data=store, out=d, init_from=init_from,
-                       max_samples=n, steps=cfg.steps, ttt_steps=cfg.ttt_steps, batch_size=cfg.batch_size,
-                       max_len=cfg.max_len, device=cfg.device, dtype=cfg.dtype, seed=cfg.seed, lr=cfg.lr,
+                       max_samples=n, steps=steps, ttt_steps=cfg.ttt_steps, batch_size=cfg.batch_size,
+                       max_len=cfg.max_len, device=cfg.device, dtype=cfg.dtype, seed=cfg.seed, lr=lr,
+                       lm_head_from_target=cfg.lm_head_from_target and not init_from,
                        chat_template=cfg.chat_template, trust_remote_code=cfg.trust_remote_code)
     train.main(tcfg)
     s = read_summary(d, "train")
@@ -264,7 +426,7 @@ def stage_eval(cfg: StudyConfig, d: str, drafter: str) -> dict:
     ecfg = make_config(evaluate.EvalConfig, target=cfg.target_b, drafter=drafter, prompts=cfg.prompts, out=d,
                        max_samples=cfg.eval_prompts, max_new_tokens=cfg.max_new_tokens, depth=cfg.depth, topk=1,
                        device=cfg.device, dtype=cfg.dtype, seed=cfg.seed, chat_template=cfg.chat_template,
-                       trust_remote_code=cfg.trust_remote_code, no_hf_baseline=True)
+                       trust_remote_code=cfg.trust_remote_code, no_hf_baseline=True, hybrid=True)
     evaluate.main(ecfg)
     return read_summary(d, "eval")
 
@@ -286,6 +448,13 @@ def short_name(path: str) -> str:
     return parts[-1]
 
 
+def size_words(row: dict) -> str:
+    """"125k tokens (480 samples)" or "100 samples": a row's training data in words."""
+    if row.get("unit") == "tokens":
+        return f"{row['label']} tokens ({row['samples']:,} samples)"
+    return f"{row['samples']} samples"
+
+
 def best_row(rows: list[dict]) -> dict | None:
     """The drafter with the highest measured tok/s (the one to ship), else the highest τ."""
     scored = [r for r in rows if r.get("tok_s") is not None]
@@ -301,22 +470,30 @@ def study_report(summary: dict, out: str) -> tuple[str, str]:
     from draftport.study.report import Image, Report, Section, Table as RTable, write_report
 
     rows, sizes = summary["rows"], summary["sizes"]
+    unit = summary.get("size_unit", "samples")
+    label = token_label if unit == "tokens" else str
     plugin = rows[0]
     best = best_row(rows)
     base = next((r["baseline_tok_s"] for r in rows if r.get("baseline_tok_s")), None)
     lines = []
     if best is not None:
         where = "plugged in with no training" if best["drafter"] == "plug-in" else \
-            f"{best['drafter']} on {best['samples']} samples"
+            f"{best['drafter']} on {size_words(best)}"
         lines.append(f"Best drafter on B: {where}, τ {_f(best['accept_len'])} at {_f(best['tok_s'], '{:.1f}')} tok/s "
                      f"against {_f(base, '{:.1f}')} tok/s without speculation "
                      f"({'pays' if best.get('pays_measured') else 'does not pay'} at the measured cycle time).")
     lines.append(f"A's drafter plugged into B: offline τ {_f(summary.get('plugin_accept_len'))} "
                  f"(on A: {_f(summary.get('accept_len_a'))}), online τ {_f(plugin.get('accept_len'))}.")
+    points = summary.get("size_points") or []
+    if points:
+        lines.append(f"Sizes ({unit} as asked; each the first samples of B's captured data): "
+                     + "; ".join(f"{p['label']} = {p['samples']:,} samples, {p['tokens']:,} tokens" for p in points)
+                     + (f". Every run trains {summary['epochs']:g} epochs of its own training samples."
+                        if summary.get("epochs") else "."))
     for recipe in ("transfer", "scratch"):
-        last = [r for r in rows if r["drafter"] == recipe and r["samples"] == sizes[-1]]
+        last = [r for r in rows if r["drafter"] == recipe and r["size"] == sizes[-1]]
         if last and last[0].get("accept_len") is not None:
-            lines.append(f"{recipe.capitalize()} at {sizes[-1]} samples: τ {_f(last[0]['accept_len'])}, "
+            lines.append(f"{recipe.capitalize()} at {size_words(last[0])}: τ {_f(last[0]['accept_len'])}, "
                          f"break-even τ {_f(last[0].get('break_even_accept_len'))}; it would pay with a verify pass of "
                          f"{_f(last[0].get('verify_ms_to_pay'), '{:.1f}') or 'no'} ms or less.")
     secs = []
@@ -339,31 +516,44 @@ def study_report(summary: dict, out: str) -> tuple[str, str]:
                        float_format="{:.4f}")],
         images=[Image(os.path.basename(sim_png), "similarity per aux layer")]))
 
+    if summary.get("data_ratio") is not None or any(r["drafter"] == "transfer" for r in rows):
+        lines.append(ratio_sentence(summary.get("data_ratio"), label))
+
     series = {}
     for recipe in ("transfer", "scratch"):
-        by = {r["samples"]: r for r in rows if r["drafter"] == recipe}
+        by = {r["size"]: r for r in rows if r["drafter"] == recipe}
         series[f"{recipe} (online)"] = [by.get(n, {}).get("accept_len") for n in sizes]
     ref = {"plug-in, no training": plugin.get("accept_len")}
+    floors = [r["floor_accept_len"] for r in rows if r.get("floor_accept_len") is not None]
+    if floors:
+        ref["prompt lookup (floor), mean of the runs"] = sum(floors) / len(floors)
     be = [r.get("break_even_accept_len") for r in rows if r.get("break_even_accept_len")]
     if be:
         ref["break-even τ"] = sum(be) / len(be)
-    scale_png = plots.plot_accept_vs_data(sizes, series, os.path.join(out, "accept_vs_data.png"), reference=ref)
-    table_cols = ["drafter", "samples", "steps", "τ offline", "τ online", "τ prompt lookup", "tok/s",
-                  "tok/s prompt lookup", "baseline tok/s", "speedup", "cycle ms", "verify ms", "break-even τ", "pays",
-                  "verify ms to pay"]
-    table_rows = [[r["drafter"], r["samples"], r.get("steps"), r.get("train_accept_len"), r.get("accept_len"),
-                   r.get("floor_accept_len"), r.get("tok_s"), r.get("floor_tok_s"), r.get("baseline_tok_s"),
-                   r.get("speedup"), r.get("cycle_ms"), r.get("verify_ms"),
+    scale_png = plots.plot_accept_vs_data(sizes, series, os.path.join(out, "accept_vs_data.png"), reference=ref,
+                                          xlabel=f"training {unit} (distinct)", tick_label=label,
+                                          title=f"τ on B vs training {unit}")
+    table_cols = ["drafter", "size", "samples", "tokens", "steps", "epochs", "τ offline", "τ online",
+                  "τ prompt lookup", "τ hybrid", "tok/s", "tok/s prompt lookup", "tok/s hybrid", "baseline tok/s",
+                  "speedup", "cycle ms", "verify ms", "break-even τ", "pays", "verify ms to pay"]
+    table_rows = [[r["drafter"], r.get("label") or r["size"], r["samples"], r.get("tokens"), r.get("steps"),
+                   r.get("epochs"), r.get("train_accept_len"), r.get("accept_len"), r.get("floor_accept_len"),
+                   r.get("hybrid_accept_len"), r.get("tok_s"), r.get("floor_tok_s"), r.get("hybrid_tok_s"),
+                   r.get("baseline_tok_s"), r.get("speedup"), r.get("cycle_ms"), r.get("verify_ms"),
                    r.get("break_even_accept_len"), "yes" if r.get("pays_measured") else "no",
                    r.get("verify_ms_to_pay")] for r in rows]
     secs.append(Section("Data scaling: transfer against scratch", paragraphs=[
-        "τ offline: the trainer's validation estimate (plug-in: the probe's). τ online, tok/s: speculative "
-        "decoding on B with a chain of depth " + str(summary.get("depth", 3)) + ", greedy, against decoding "
-        "without speculation on the same prompts; τ / tok/s prompt lookup: the training-free floor (the last 1–3 "
-        "tokens matched earlier in the context, as many drafts) on the same prompts in the same eval."],
-        tables=[RTable(table_cols, table_rows)], images=[Image(os.path.basename(scale_png), "τ vs training samples")]))
+        f"size: the training data as asked ({unit}); samples / tokens: the subset trained on (the first samples of "
+        "B's captured data, every token of each counted, prompt and answer; 5 % of them held out for validation); "
+        "epochs: steps × batch / training samples. τ offline: the trainer's validation estimate (plug-in: the "
+        "probe's). τ online, tok/s: speculative decoding on B with a chain of depth " + str(summary.get("depth", 3))
+        + ", greedy, against decoding without speculation on the same prompts; τ / tok/s prompt lookup: the "
+        "training-free floor (the last 1–3 tokens matched earlier in the context, as many drafts) and the hybrid "
+        "(prompt lookup when its match is long enough, else the drafter) on the same prompts in the same eval."],
+        tables=[RTable(table_cols, table_rows)],
+        images=[Image(os.path.basename(scale_png), f"τ vs training {unit}")]))
 
-    pos = {f"{r['drafter']}" + (f"-{r['samples']}" if r["samples"] else ""): r["per_position_accept"]
+    pos = {f"{r['drafter']}" + (f"-{r.get('label') or r['samples']}" if r["samples"] else ""): r["per_position_accept"]
            for r in rows if r.get("per_position_accept")}
     if pos:
         pos_png = plots.plot_per_position_curves(pos, os.path.join(out, "per_position.png"),
@@ -371,7 +561,7 @@ def study_report(summary: dict, out: str) -> tuple[str, str]:
         secs.append(Section("Per-position acceptance", images=[Image(os.path.basename(pos_png),
                                                                      "fraction of cycles accepting draft j")]))
 
-    econ = {f"{r['drafter']}" + (f"-{r['samples']}" if r["samples"] else ""): (r["accept_len"], r["rest_ms"])
+    econ = {f"{r['drafter']}" + (f"-{r.get('label') or r['samples']}" if r["samples"] else ""): (r["accept_len"], r["rest_ms"])
             for r in rows if r.get("rest_ms") is not None}
     verify = [r["verify_ms"] for r in rows if r.get("verify_ms")]
     if econ and base and verify:
@@ -405,7 +595,7 @@ def run_study(cfg: StudyConfig, console: Console | None = None) -> dict:
         raise bad_input(cfg.out, "--out exists and is not a directory")
     os.makedirs(cfg.out, exist_ok=True)
     t_start = time.perf_counter()
-    stages = Stages(cfg.out, console, restart=cfg.restart, total=4 + 4 * len(sizes))
+    stages = Stages(cfg.out, console, restart=cfg.restart, total=4 + 4 * len(sizes.values))
     common = {k: getattr(cfg, k) for k in ("target_a", "drafter_a", "target_b", "data", "max_len", "device", "dtype",
                                            "seed", "chat_template", "engine")}
     common = {k: (os.path.abspath(v) if isinstance(v, str) and os.path.exists(v) else v) for k, v in common.items()}
@@ -416,10 +606,20 @@ def run_study(cfg: StudyConfig, console: Console | None = None) -> dict:
         raise DraftportError("A's drafter cannot be fed by target B: " + "; ".join(check["errors"][:3]), cfg.drafter_a)
     layers = study_layers(cfg)
 
-    cap = stages.run("capture", {**common, "n": sizes[-1], "layers": layers, "regenerate": cfg.regenerate,
-                                   "regen_batch_size": cfg.regen_batch_size},
-                     lambda d: stage_capture(cfg, d, layers, sizes[-1]), f"capture B on {sizes[-1]} samples")
+    # sample sizes capture just what the largest needs; token sizes capture the prompts given (the tokens a
+    # prompt yields are known only once B has answered it), the subsets chosen after
+    n_cap = cfg.max_samples if sizes.tokens else sizes.values[-1]
+    regen = {"regenerate": cfg.regenerate, "regen_batch_size": cfg.regen_batch_size}
+    if cfg.regenerate and (cfg.samples_per_prompt != 1 or cfg.temperature or cfg.regen_new_tokens):
+        regen.update(samples_per_prompt=cfg.samples_per_prompt, temperature=cfg.temperature,
+                     regen_new_tokens=cfg.regen_new_tokens)  # only when set: older studies keep their hash
+    cap = stages.run("capture", {**common, "n": n_cap, "layers": layers, **regen},
+                     lambda d: stage_capture(cfg, d, layers, n_cap),
+                     f"capture B on {n_cap if n_cap is not None else 'all'} {'prompts' if sizes.tokens else 'samples'}")
     store = os.path.join(cfg.out, "capture")
+    from draftport.data.store import Store
+
+    points = size_points(sizes, Store(store).lengths, cfg.seed, store)
     # the probe compares A and B on the text the drafter will see on B: B's own answers when regenerated
     # (prompt-only data has no assistant tokens to compare before that)
     from draftport.train.capture import REGEN_FILE
@@ -427,30 +627,45 @@ def run_study(cfg: StudyConfig, console: Console | None = None) -> dict:
     probe = stages.run("probe", {**common, "samples": cfg.probe_samples, "depth": cfg.depth,
                                  "regenerate": cfg.regenerate},
                        lambda d: stage_probe(cfg, d, probe_data), "probe: hidden-state similarity and plug-in τ")
-    train_cfg = {**common, "steps": cfg.steps, "ttt_steps": cfg.ttt_steps, "batch_size": cfg.batch_size, "lr": cfg.lr,
-                 "capture": cap.get("num_tokens")}
+    train_cfg = {**common, "ttt_steps": cfg.ttt_steps, "batch_size": cfg.batch_size, "capture": cap.get("num_tokens")}
     eval_cfg = {**common, "prompts": cfg.prompts, "n": cfg.eval_prompts, "max_new_tokens": cfg.max_new_tokens,
-                "depth": cfg.depth}
+                "depth": cfg.depth, "hybrid": True}
 
     plugin_eval = stages.run("eval-plugin", {**eval_cfg, "drafter": common["drafter_a"]},
                              lambda d: stage_eval(cfg, d, cfg.drafter_a), "eval: A's drafter plugged into B")
     runs = []
-    for n in sizes:
+    for pt in points:
+        n, steps = pt["samples"], steps_for(cfg, pt)
         for recipe, init in (("transfer", cfg.drafter_a), ("scratch", None)):
-            tr = stages.run(f"train-{recipe}-{n}", {**train_cfg, "n": n, "init_from": init and os.path.abspath(init)},
-                            lambda d, n=n, init=init: stage_train(cfg, d, store, n, init),
-                            f"train {recipe} on {n} samples")
-            ev = stages.run(f"eval-{recipe}-{n}", {**eval_cfg, "drafter": tr["drafter_dir"], "trained": tr.get("steps")},
-                            lambda d, tr=tr: stage_eval(cfg, d, tr["drafter_dir"]), f"eval {recipe}-{n} on B")
-            runs.append({"recipe": recipe, "samples": n, "steps": tr.get("steps"),
-                         "train_accept_len": tr.get("val_accept_len"), "eval": ev, "drafter_dir": tr["drafter_dir"]})
-    rows = build_rows({"recipe": "plug-in", "samples": 0, "steps": 0, "eval": plugin_eval,
-                       "train_accept_len": probe.get("plugin_accept_len")}, runs)
+            lr = (cfg.transfer_lr or cfg.lr) if init else cfg.lr
+            head = init is None and cfg.lm_head_from_target
+            # a stage's config names what it trains on (n samples) and how: a token size that maps to the same
+            # samples reuses the run
+            tr = stages.run(f"train-{recipe}-{pt['label']}",
+                            {**train_cfg, "n": n, "steps": steps, "lr": lr, "init_from": init and os.path.abspath(init),
+                             **({"lm_head_from_target": True} if head else {})},
+                            lambda d, n=n, init=init, steps=steps: stage_train(cfg, d, store, n, init, steps),
+                            f"train {recipe} on {pt['label']} {sizes.unit}"
+                            + (f" ({n:,} samples, {pt['tokens']:,} tokens)" if sizes.tokens else ""))
+            ev = stages.run(f"eval-{recipe}-{pt['label']}",
+                            {**eval_cfg, "drafter": tr["drafter_dir"], "trained": tr.get("steps")},
+                            lambda d, tr=tr: stage_eval(cfg, d, tr["drafter_dir"]), f"eval {recipe}-{pt['label']} on B")
+            num_train = tr.get("num_train") or pt["train_samples"]
+            B = tr.get("batch_size") or cfg.batch_size
+            epochs = tr["steps"] * B / num_train if tr.get("steps") and B and num_train else None
+            runs.append({"recipe": recipe, "size": pt["size"], "unit": sizes.unit, "label": pt["label"], "samples": n,
+                         "tokens": pt["tokens"], "train_samples": num_train, "steps": tr.get("steps"),
+                         "epochs": epochs, "train_accept_len": tr.get("val_accept_len"), "eval": ev,
+                         "drafter_dir": tr["drafter_dir"]})
+    rows = build_rows({"recipe": "plug-in", "size": 0, "label": "0", "samples": 0, "tokens": 0, "steps": 0,
+                       "eval": plugin_eval, "train_accept_len": probe.get("plugin_accept_len")}, runs)
 
     summary = {"out": cfg.out, "target_a": cfg.target_a, "drafter_a": cfg.drafter_a, "target_b": cfg.target_b,
-               "data": cfg.data, "sizes": sizes, "check": check,
+               "data": cfg.data, "sizes": list(sizes.values), "size_unit": sizes.unit, "size_points": points,
+               "epochs": cfg.epochs, "check": check,
                "similarity": probe["similarity"], "plugin_accept_len": probe.get("plugin_accept_len"),
                "accept_len_a": probe.get("accept_len_a"), "depth": cfg.depth, "rows": rows,
+               "data_ratio": transfer_data_ratio(rows, "tokens" if sizes.tokens else "samples"),
                "stage_timings": stages.timings}
     stages.index += 1
     t0 = time.perf_counter()
@@ -463,7 +678,9 @@ def run_study(cfg: StudyConfig, console: Console | None = None) -> dict:
 
 def render(summary: dict, console: Console) -> None:
     t = Table(title=f"port study: {summary['drafter_a']} → {summary['target_b']}")
-    cols = [("drafter", "drafter", str), ("samples", "samples", str), ("accept_len", "τ online", "{:.2f}".format),
+    cols = [("drafter", "drafter", str), ("label", "size", str), ("samples", "samples", "{:,}".format),
+            ("tokens", "tokens", "{:,}".format), ("accept_len", "τ online", "{:.2f}".format),
+            ("floor_accept_len", "τ floor", "{:.2f}".format), ("hybrid_accept_len", "τ hybrid", "{:.2f}".format),
             ("offline_accept_len", "τ offline", "{:.2f}".format), ("tok_s", "tok/s", "{:.1f}".format),
             ("baseline_tok_s", "baseline", "{:.1f}".format), ("speedup", "speedup", "{:.2f}×".format),
             ("break_even_accept_len", "break-even τ", "{:.2f}".format),
@@ -473,6 +690,8 @@ def render(summary: dict, console: Console) -> None:
     for r in summary["rows"]:
         t.add_row(*("–" if r.get(k) is None else f(r[k]) for k, _, f in cols))
     console.print(t)
+    if summary.get("data_ratio") is not None:
+        console.print(ratio_sentence(summary["data_ratio"], token_label if summary.get("size_unit") == "tokens" else str))
     console.print(f"report → {summary['report_html']}")
 
 
