@@ -67,13 +67,14 @@ def jinja_chat_template(t) -> str:
             + f"{{%- if add_generation_prompt -%}}{{{{- {lit(t.assistant_header)} -}}}}{{%- endif -%}}")
 
 
-def pick_conversations(data: str, skip: int, num: int, max_chars: int) -> list:
-    """The first `num` conversations at or after conversation `skip`, each cut to max_chars of text."""
+def pick_conversations(data: str, skip: int, num: int, max_chars: int, keep=None) -> list:
+    """The first `num` conversations at or after conversation `skip` (and, given `keep`, for which keep(conv)
+    holds), each cut to max_chars of text."""
     from draftport.data.conversations import Conversation, iter_conversations
 
     out = []
     for i, conv in enumerate(iter_conversations(data)):
-        if i < skip:
+        if i < skip or (keep is not None and not keep(conv)):
             continue
         msgs = cut_messages(conv.messages, max_chars)
         if any(m["role"] == "assistant" for m in msgs):

@@ -314,3 +314,53 @@ def test_gpu_recipe_dry_run_commands_parse(tmp_path):
     with pytest.raises(SystemExit):  # an engine the tool does not have
         build_parser().parse_args(["train", "--regen-engine", "vllm"])
     assert dry_run(tmp_path, "curve", script="gpu_recipe.sh", **env)[0] == cmds[4]
+
+
+def test_make_derivatives_tiny(examples_path, tiny_gemma_dir, convs_file, tmp_path, capsys):
+    """B-code, B-chat and B-long from a tiny chat target: each trained on its own slice, its record (recipe,
+    loss, checksums) beside the weights, A's chat template and <end_of_turn> eos kept; a rerun skips them,
+    a changed recipe remakes only its own; bad input is one line, exit 2."""
+    from draftport.data.chat import resolve_chat_template
+    from draftport.model.target import load_target
+    from draftport.safeio import sha256_file
+    from make_chat_target import main as make_chat
+    from make_derivatives import main
+
+    a = tmp_path / "chat-a"
+    assert make_chat(["--target-a", str(tiny_gemma_dir), "--data", str(convs_file), "--out", str(a), "--steps", "2",
+                      "--batch-size", "2", "--max-len", "64", "--device", "cpu"]) == 0
+    out = tmp_path / "derivatives"
+    argv = ["--target-a", str(a), "--chat-data", str(convs_file), "--code-data", str(convs_file), "--out", str(out),
+            "--chat-skip", "0", "--steps", "2", "--batch-size", "2", "--max-len", "64", "--num-convs", "2",
+            "--device", "cpu"]
+    assert main(argv) == 0
+    recs = {n: json.loads((out / f"B-{n}" / "make_derivative.json").read_text()) for n in ("code", "chat", "long")}
+    assert recs["code"]["examples"] == 1  # the one code conversation of CONVS
+    assert (recs["chat"]["recipe"]["skip"], recs["long"]["recipe"]["skip"]) == (0, 2)  # disjoint chat slices
+    assert recs["chat"]["data_sha256"] != recs["long"]["data_sha256"]
+    a_sha = sha256_file(a / "model.safetensors")
+    eot = load_target(str(a), device="cpu", dtype="fp32").tokenizer.convert_tokens_to_ids("<end_of_turn>")
+    for name, rec in recs.items():
+        d = out / f"B-{name}"
+        assert rec["weights_sha256"] == sha256_file(d / "model.safetensors") != a_sha  # it trained
+        assert rec["target_a_weights_sha256"] == a_sha and rec["recipe"]["steps"] == 2 and len(rec["losses"]) == 2
+        assert rec["recipe"]["lr"] == {"code": 1e-4, "chat": 2e-5, "long": 5e-5}[name]  # the overrides leave lr
+        t = load_target(str(d), device="cpu", dtype="fp32")
+        assert resolve_chat_template(t.tokenizer).name == "tokenizer" and eot in t.eos_token_ids
+    capsys.readouterr()
+    first = (out / "B-chat" / "model.safetensors").stat().st_mtime_ns
+    assert main(argv + ["--only", "chat,code"]) == 0  # the rerun skips what exists
+    assert (out / "B-chat" / "model.safetensors").stat().st_mtime_ns == first
+    assert capsys.readouterr().err.count("skipped") == 2
+    assert main(argv + ["--steps", "3", "--only", "chat"]) == 0  # another recipe (the last --steps wins): remade
+    assert json.loads((out / "B-chat" / "make_derivative.json").read_text())["recipe"]["steps"] == 3
+    # seeded: on the CPU in fp32 the same recipe gives the same weights
+    assert main(argv + ["--only", "code", "--out", str(tmp_path / "again")]) == 0
+    assert json.loads((tmp_path / "again" / "B-code" / "make_derivative.json").read_text())["weights_sha256"] == \
+        recs["code"]["weights_sha256"]
+    capsys.readouterr()
+    assert main(argv + ["--code-data", str(tmp_path / "nope.jsonl"), "--only", "code", "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "nope.jsonl" in err[0]
+    with pytest.raises(SystemExit):
+        main(argv + ["--only", "kode"])
