@@ -364,3 +364,81 @@ def test_make_derivatives_tiny(examples_path, tiny_gemma_dir, convs_file, tmp_pa
     assert len(err) == 1 and "nope.jsonl" in err[0]
     with pytest.raises(SystemExit):
         main(argv + ["--only", "kode"])
+
+
+def _put(root, rel, obj):
+    path = root / rel
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(obj))
+
+
+def _port_outputs(root, taus=(1.62, 1.30, 1.50)):
+    """gpu_study.sh's outputs for three Bs: cosine at the top layer 0.998 / 0.962 / 0.985, plug-in τ `taus`."""
+    for (name, cos, tau) in zip(("B-chat", "B-code", "B-long"), (0.998, 0.962, 0.985), taus):
+        sim = {"2": {"cosine_mean": 0.9999, "cosine_p5": 0.999, "cka": 0.999, "norm_ratio": 1.0},
+               "15": {"cosine_mean": cos, "cosine_p5": cos - 0.05, "cka": cos - 0.1, "norm_ratio": 1.01},
+               "9": {"cosine_mean": 0.99, "cosine_p5": 0.98, "cka": 0.95, "norm_ratio": 1.0}}
+        _put(root, f"port/{name}/probe/summary.json", {"similarity": sim, "plugin_accept_len": tau + 0.1,
+                                                       "accept_len_a": 1.8})
+        _put(root, f"port/{name}/eval/summary.json", {"accept_len": tau, "tok_s": 600.0, "baseline_tok_s": 550.0,
+                                                      "match_rate": 1.0, "floor": {"accept_len": 1.48, "tok_s": 670.0},
+                                                      "hybrid": {"accept_len": tau + 0.3, "tok_s": 760.0}})
+        _put(root, f"derivatives/{name}/make_derivative.json",
+             {"recipe": {"mix": "code" if name == "B-code" else "chat", "steps": 400, "batch_size": 16, "max_len": 512,
+                         "lr": 1e-4}, "loss_first_mean": 1.9, "loss_last_mean": 1.1})
+    _put(root, "port/A/eval/summary.json", {"accept_len": 1.70, "tok_s": 680.0, "floor": {"accept_len": 1.48},
+                                            "hybrid": {"accept_len": 2.0}})
+
+
+def test_port_table(examples_path, tmp_path, capsys):
+    """The one table: each B's top-layer similarity beside its plug-in τ and the floor, the rank agreement,
+    the most drifted B, and the study's data ratio when the study has run."""
+    from port_table import main, rank_agreement, ranks
+
+    assert main([str(tmp_path)]) == 2  # nothing there yet: one line naming the folder
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and str(tmp_path) in err[0]
+    assert main([str(tmp_path), "--most-drifted"]) == 0 and capsys.readouterr().out.strip() == "B-code"
+
+    _port_outputs(tmp_path)
+    (tmp_path / "port" / "B-half").mkdir()  # a B whose stage has not finished: left out
+    assert main([str(tmp_path), "--most-drifted"]) == 0 and capsys.readouterr().out.strip() == "B-code"
+    assert main([str(tmp_path)]) == 0
+    md = (tmp_path / "port.md").read_text()
+    assert capsys.readouterr().out.strip() == md.strip()
+    lines = md.splitlines()
+    assert lines[2] == ("| B-chat | chat (400 × 16 × 512, 0.0001) | 1.900 → 1.100 | 15 | 0.9980 (0.9480) | 0.8980 | "
+                        "1.720 | 1.620 | 1.480 | 1.920 | 600.0 | 550.0 | 0.95× |")
+    assert [ln.split(" | ")[0] for ln in lines[2:5]] == ["| B-chat", "| B-code", "| B-long"] and "B-half" not in md
+    assert "+1.00 (the probe orders the Bs as their plug-in τ does" in md
+    data = json.loads((tmp_path / "port.json").read_text())
+    assert data["agreement"] == {"n": 3, "spearman": pytest.approx(1.0)} and data["study"] is None
+    assert "Transfer against scratch" not in md
+
+    # the probe's order reversed against the τs: the table says so
+    _port_outputs(tmp_path, taus=(1.30, 1.62, 1.50))
+    assert rank_agreement(json.loads(json.dumps(
+        __import__("port_table").collect(str(tmp_path))))["rows"])["spearman"] == pytest.approx(-1.0)
+    assert ranks([3.0, 1.0, 3.0]) == [2.5, 1.0, 2.5]
+
+    from draftport.study.study import build_rows, token_label, transfer_data_ratio
+
+    ev = lambda t: {"accept_len": t, "tok_s": 600.0, "baseline_tok_s": 550.0, "floor": {"accept_len": 1.48},  # noqa: E731
+                    "hybrid": {"accept_len": t + 0.3}}
+    runs = [{"recipe": rc, "size": n, "unit": "tokens", "label": token_label(n), "samples": n // 250, "tokens": n,
+             "steps": 10, "epochs": 2.0, "eval": ev(t)}
+            for n, tt, ts in ((125_000, 1.5, 1.1), (500_000, 1.62, 1.4), (1_000_000, 1.66, 1.55), (2_000_000, 1.7, 1.6))
+            for rc, t in (("transfer", tt), ("scratch", ts))]
+    rows = build_rows({"recipe": "plug-in", "samples": 0, "eval": ev(1.3)}, runs)
+    _put(tmp_path, "study/summary.json", {"target_b": str(tmp_path / "derivatives" / "B-code"), "size_unit": "tokens",
+                                          "rows": rows, "data_ratio": transfer_data_ratio(rows)})
+    assert main([str(tmp_path)]) == 0
+    md = (tmp_path / "port.md").read_text()
+    assert "Transfer against scratch on B-code: Scratch at its largest size (2M tokens) reaches τ 1.60; transfer " \
+           "reaches it at 0.5M tokens: 0.25× scratch's data" in md and "Goal ≤ 1/4: met" in md
+    assert "| scratch | 2M | 8,000 | 2,000,000 | 2.00 | 1.600 | 1.480 | 1.900 | 600.0 | 550.0 |" in md
+    assert json.loads((tmp_path / "port.json").read_text())["study"]["data_ratio"]["ratio"] == pytest.approx(0.25)
+
+    (tmp_path / "port" / "B-code" / "eval" / "summary.json").write_text("{not json")
+    assert main([str(tmp_path)]) == 2
+    assert "B-code/eval/summary.json" in capsys.readouterr().err
