@@ -1,80 +1,196 @@
 #!/usr/bin/env bash
-# The port study on one GPU, at small scale: Gemma-3-270M is target A; target B is A after a short
-# continued training on code conversations (examples/make_target_b.py, deterministic) — the analog of
-# Kimi-K2 → K2.5. Trains A's drafter on A's own answers (regeneration), then runs `draftport study`:
-# check, probe (similarity + plug-in τ), transfer vs scratch fine-tuning at two data sizes on B's own
-# answers, online τ and tok/s on B, the economics at the measured cycle times, report.md + report.html.
+# The port study where drafters work (issue 22): chat target A (Gemma-3-270M after the recipe's chat fine-tuning),
+# A's drafter trained by the recipe (issue 21), derivatives B-code / B-chat / B-long of A (each A fine-tuned
+# further on its own mix: the Kimi-K2 → K2.5 analog, spanning drift), and for each B the probe (hidden-state
+# similarity per captured layer, plug-in τ offline) beside the plug-in eval (A's drafter on B with no training:
+# online τ, tok/s, the prompt-lookup floor and the hybrid of the same run); then, on the most drifted B, `draftport
+# study`: transfer (A's drafter fine-tuned on B's answers, vocab map kept) against scratch at 4 data sizes in tokens
+# spanning 16×, the same epochs for both; then examples/port_table.py's one table ($OUT/port.md + port.json).
 #
-# Inputs (nothing is downloaded; no pip install of the GGUF package is needed):
-#   DRAFTPORT_GGUF     path of the Gemma-3-270M .gguf file (e.g. gemma-3-270m-q4_k_m.gguf)
-#   DRAFTPORT_PROMPTS  prompts or conversations as JSONL (any layout draftport reads; assistant turns are
-#                      regenerated): lines 1..A_SAMPLES train A's drafter, the next STUDY_SAMPLES are the study's
-#   DRAFTPORT_CODE     conversations for target B's training (make_target_b.py keeps the code ones);
-#                      default DRAFTPORT_PROMPTS from line 3001 on
-#   DRAFTER_A          an existing drafter for A (skips step 2), e.g. a `draftport train` run's final/
-#   OUT                output directory (default ./gpu-study); DRAFTPORT_CACHE defaults to $OUT/cache
-# Sizes (defaults: the H200 run): A_SAMPLES=1600 A_STEPS=2000 B_STEPS=300 B_BATCH=16 STUDY_SAMPLES=800
-#   STUDY_SIZES=200,800 STUDY_STEPS=600 STUDY_BATCH=16 EVAL_PROMPTS=16 REGEN_BATCH=400 MAX_LEN=512 DEVICE=cuda
-#   (a CPU smoke run of the whole script: A_SAMPLES=12 B_STEPS=2 B_BATCH=2 STUDY_SAMPLES=8 STUDY_SIZES=4,8
-#   STUDY_STEPS=3 STUDY_BATCH=2 EVAL_PROMPTS=1 REGEN_BATCH=8 MAX_LEN=128 DEVICE=cpu: ~30 min on 2 cores)
+# Stages (each skipped when its output exists; inside a stage every finished step is kept, and the study resumes
+# stage by stage, so a call cut off by its time limit reruns only what it had not finished). H200 estimates from
+# BENCHMARKS.md's recipe run (chat target 174 s; regeneration 68 prompts/s; training ≈ 40 k tok/s of wall time;
+# one eval of 10 prompts × 200 tokens with the floor and hybrid ≈ 25–30 s):
+#   data         $OUT/data/{heldout,a,study}.jsonl: the prompts split, disjoint (first HELDOUT held out, the next
+#                A_PROMPTS for A's drafter, the next STUDY_PROMPTS for the study on B)                        ~0 s
+#   chat         chat target A, $OUT/chat-a (examples/make_chat_target.py; skipped when CHAT_A is given)     ~180 s
+#   drafter-a    A's drafter by the recipe: `train --regenerate` on a.jsonl (A_PROMPTS × SAMPLES answers, then
+#                A_STEPS × A_BATCH online; skipped when DRAFTER_A is given)          ~90 s regen + ~200 s train = ~300 s
+#   derivatives  $OUT/derivatives/B-{code,chat,long} (examples/make_derivatives.py)                        ~150 s
+#   port         per B: `draftport probe` (PROBE_SAMPLES of PROBE_DATA) and `draftport eval --hybrid` of A's drafter
+#                on B; the same eval on A (the τ it plugs in from)                          3 × 30 + 4 × 28 = ~200 s
+#   study-small  `draftport study` on the most drifted B (lowest top-layer cosine; STUDY_B overrides) at the smallest
+#                and the second-largest size (default 125k,500k): B regenerates the study prompts, capture, check,
+#                probe, plug-in eval, transfer and scratch trained and evaluated              ~110 + 60 + 170 + 120 = ~460 s
+#   study        the same study at all STUDY_SIZES (default 125k,250k,500k,2M: 16×, 1/16 … 1/4 and the whole):
+#                every stage of study-small reused, the other sizes added                                ~480 s
+#   table        examples/port_table.py → $OUT/port.md, $OUT/port.json                                    ~2 s
+# Whole chain ≈ 1,770 s ≈ 29.5 min of H200 time, each stage one call of ≤ 10 minutes. To gain time: DRAFTER_A and
+# CHAT_A from an earlier call's machine, DERIVATIVES=code,chat, or a smaller A_STEPS.
+# Pick stages with STAGES (or the first argument), comma-separated; default all. DRY_RUN=1 prints the commands.
 #
-#   DRAFTPORT_GGUF=/data/gemma.gguf DRAFTPORT_PROMPTS=/data/prompts.jsonl DRAFTPORT_CODE=/data/code.jsonl \
-#       bash examples/gpu_study.sh
+# Inputs (nothing is downloaded):
+#   DRAFTPORT_GGUF       the base target: a .gguf file, an HF dir or gemma-3-270m (default gemma-3-270m)
+#   DRAFTPORT_PROMPTS    prompts JSONL (examples/make_study_data.py --prompts 15700 …)
+#   DRAFTPORT_CHAT_DATA  chat conversations: A's fine-tuning (the first CHAT_CONVS), then B-chat's and B-long's slices
+#                        (make_study_data.py --chat 12600 --chat-skip 4000 --max-chat-chars 8000)
+#   DRAFTPORT_CODE       code conversations for B-code (make_study_data.py --code 1500, code.jsonl)
+#   CHAT_A, DRAFTER_A    an existing chat target / A's drafter (skip those stages)
+#   PROBE_DATA           the probe's texts (default: A's own regenerated answers, $OUT/drafter-a/regenerated.jsonl;
+#                        needed when DRAFTER_A comes from elsewhere)
+#   STUDY_B              the derivative the study runs on (default: the most drifted by the probe)
+#   OUT (default ./gpu-study), PYTHON (default python); DRAFTPORT_CACHE defaults to $OUT/cache
+# Sizes: HELDOUT=100 A_PROMPTS=6000 STUDY_PROMPTS=5000 SAMPLES=2 TEMPERATURE=0.8 REGEN_NEW=256 REGEN_BATCH=512
+#   MAX_LEN=768 A_STEPS=400 A_BATCH=64 A_LR=1e-3 TTT=4 CHAT_STEPS=700 CHAT_BATCH=16 CHAT_CONVS=10520 CHAT_MAX_LEN=512
+#   DERIVATIVES=code,chat,long PROBE_SAMPLES=64 EVAL_SAMPLES=10 EVAL_NEW_TOKENS=200 DEPTH=3
+#   STUDY_SIZES=125k,250k,500k,2M STUDY_SMALL=125k,500k STUDY_EPOCHS=2 STUDY_BATCH=32 STUDY_LR=1e-3
+#   TRANSFER_LR=5e-4 (half the scratch lr: train's own ratio for a warm start, 5e-5 vs 1e-4) DEVICE=cuda
 #
-# Rerunning resumes: finished stages are skipped.
+#   python examples/make_study_data.py --out-dir data --prompts 15700 --code 1500 --chat 12600 --chat-skip 4000 \
+#       --max-chat-chars 8000
+#   DRAFTPORT_GGUF=gemma.gguf DRAFTPORT_PROMPTS=data/prompts.jsonl DRAFTPORT_CHAT_DATA=data/chat.jsonl \
+#       DRAFTPORT_CODE=data/code.jsonl OUT=study bash examples/gpu_study.sh data,chat   # then drafter-a, …
 set -euo pipefail
 cd "$(dirname "$0")/.."
-: "${DRAFTPORT_GGUF:?set DRAFTPORT_GGUF to the Gemma-3-270M .gguf file}"
-: "${DRAFTPORT_PROMPTS:?set DRAFTPORT_PROMPTS to a prompts / chat JSONL file}"
 OUT=${OUT:-./gpu-study}
 export DRAFTPORT_CACHE=${DRAFTPORT_CACHE:-$OUT/cache}
-A_SAMPLES=${A_SAMPLES:-1600}; A_STEPS=${A_STEPS:-2000}; B_STEPS=${B_STEPS:-300}
-STUDY_SAMPLES=${STUDY_SAMPLES:-800}; STUDY_SIZES=${STUDY_SIZES:-200,800}; STUDY_STEPS=${STUDY_STEPS:-600}
-EVAL_PROMPTS=${EVAL_PROMPTS:-16}; REGEN_BATCH=${REGEN_BATCH:-400}; MAX_LEN=${MAX_LEN:-512}; DEVICE=${DEVICE:-cuda}
-mkdir -p "$OUT"
-A="$DRAFTPORT_GGUF"
-COMMON=(--device "$DEVICE" --max-len "$MAX_LEN")
+PY=${PYTHON:-python}
+BASE=${DRAFTPORT_GGUF:-gemma-3-270m}
+HELDOUT=${HELDOUT:-100}; A_PROMPTS=${A_PROMPTS:-6000}; STUDY_PROMPTS=${STUDY_PROMPTS:-5000}
+SAMPLES=${SAMPLES:-2}; TEMPERATURE=${TEMPERATURE:-0.8}; REGEN_NEW=${REGEN_NEW:-256}; REGEN_BATCH=${REGEN_BATCH:-512}
+MAX_LEN=${MAX_LEN:-768}; A_STEPS=${A_STEPS:-400}; A_BATCH=${A_BATCH:-64}; A_LR=${A_LR:-1e-3}; TTT=${TTT:-4}
+CHAT_STEPS=${CHAT_STEPS:-700}; CHAT_BATCH=${CHAT_BATCH:-16}; CHAT_CONVS=${CHAT_CONVS:-10520}; CHAT_MAX_LEN=${CHAT_MAX_LEN:-512}
+DERIVATIVES=${DERIVATIVES:-code,chat,long}; PROBE_SAMPLES=${PROBE_SAMPLES:-64}
+EVAL_SAMPLES=${EVAL_SAMPLES:-10}; EVAL_NEW_TOKENS=${EVAL_NEW_TOKENS:-200}; DEPTH=${DEPTH:-3}
+STUDY_SIZES=${STUDY_SIZES:-125k,250k,500k,2M}; STUDY_SMALL=${STUDY_SMALL:-125k,500k}; STUDY_EPOCHS=${STUDY_EPOCHS:-2}
+STUDY_BATCH=${STUDY_BATCH:-32}; STUDY_LR=${STUDY_LR:-1e-3}; TRANSFER_LR=${TRANSFER_LR:-5e-4}; DEVICE=${DEVICE:-cuda}
+A=${CHAT_A:-$OUT/chat-a}
+DRAFTER=${DRAFTER_A:-$OUT/drafter-a/final}
+PROBE_DATA=${PROBE_DATA:-$OUT/drafter-a/regenerated.jsonl}
+STAGES=${1:-${STAGES:-all}}
+DRY_RUN=${DRY_RUN:-}
+ALL_STAGES="data chat drafter-a derivatives port study-small study table"
+
+for s in ${STAGES//,/ }; do  # a typo must not silently run nothing
+  case " all $ALL_STAGES " in *" $s "*) ;; *)
+    echo "gpu_study: unknown stage '$s' (known: all, ${ALL_STAGES// /, })" >&2; exit 2;; esac
+done
+want() { [[ ",$STAGES," == *",all,"* || ",$STAGES," == *",$1,"* ]]; }
+run() { echo "+ $*"; if [ -z "$DRY_RUN" ]; then "$@"; fi; }
+need() { # a stage's input made by an earlier stage (or given): a one-line error now, not a traceback later
+  if [ -z "$DRY_RUN" ] && [ ! -e "$1" ]; then echo "gpu_study: $1: missing ($2)" >&2; exit 2; fi; }
 t0=$(date +%s)
-lap() { echo "gpu_study: $1 done at $(( $(date +%s) - t0 )) s"; }
+lap() { echo "gpu_study: $1 at $(( $(date +%s) - t0 )) s"; }
+mkdir -p "$OUT/data"
+# every eval the same way: MT-bench first turns, greedy, the floor and the hybrid in the same run
+EVAL=(--chat-template gemma --hybrid --prompts mt-bench --max-samples "$EVAL_SAMPLES" --max-new-tokens "$EVAL_NEW_TOKENS"
+      --depth "$DEPTH" --no-hf-baseline --device "$DEVICE")
 
-sed -n "1,${A_SAMPLES}p" "$DRAFTPORT_PROMPTS" > "$OUT/data-a.jsonl"
-sed -n "$((A_SAMPLES + 1)),$((A_SAMPLES + STUDY_SAMPLES))p" "$DRAFTPORT_PROMPTS" > "$OUT/data-study.jsonl"
-if [ -n "${DRAFTPORT_CODE:-}" ]; then CODE=$DRAFTPORT_CODE; SKIP=0; else CODE=$DRAFTPORT_PROMPTS; SKIP=3000; fi
-
-# 1. target B (skipped when already made)
-if [ ! -f "$OUT/target-b/make_target_b.json" ]; then
-  python examples/make_target_b.py --target-a "$A" --data "$CODE" --out "$OUT/target-b" \
-      --skip "$SKIP" --num-convs 1500 --steps "$B_STEPS" --batch-size "${B_BATCH:-16}" --max-len 384 --lr 3e-5 --device "$DEVICE"
+if want data; then
+  if [ -f "$OUT/data/study.jsonl" ]; then echo "gpu_study: data exists, skipped"; else
+    : "${DRAFTPORT_PROMPTS:?set DRAFTPORT_PROMPTS to a prompts JSONL (examples/make_study_data.py)}"
+    a_end=$((HELDOUT + A_PROMPTS)); s_end=$((a_end + STUDY_PROMPTS))
+    # not through run(): its "+ command" line would land in the redirected file
+    echo "+ sed -n 1,${HELDOUT}p $DRAFTPORT_PROMPTS > $OUT/data/heldout.jsonl"
+    echo "+ sed -n $((HELDOUT + 1)),${a_end}p $DRAFTPORT_PROMPTS > $OUT/data/a.jsonl"
+    echo "+ sed -n $((a_end + 1)),${s_end}p $DRAFTPORT_PROMPTS > $OUT/data/study.jsonl"
+    if [ -z "$DRY_RUN" ]; then
+      sed -n "1,${HELDOUT}p" "$DRAFTPORT_PROMPTS" > "$OUT/data/heldout.jsonl"
+      sed -n "$((HELDOUT + 1)),${a_end}p" "$DRAFTPORT_PROMPTS" > "$OUT/data/a.jsonl"
+      sed -n "$((a_end + 1)),${s_end}p" "$DRAFTPORT_PROMPTS" > "$OUT/data/study.jsonl.tmp"
+      if [ ! -s "$OUT/data/study.jsonl.tmp" ]; then
+        echo "gpu_study: $DRAFTPORT_PROMPTS: fewer than $((a_end + 1)) prompts, none left for the study" >&2; exit 2; fi
+      mv "$OUT/data/study.jsonl.tmp" "$OUT/data/study.jsonl"
+    fi
+  fi
+  lap "data"
 fi
-lap "target B"
 
-# 2. A's drafter: the "old" drafter, trained on A's own answers
-if [ -z "${DRAFTER_A:-}" ]; then
-  draftport capture --target "$A" --data "$OUT/data-a.jsonl" --regenerate --regen-batch-size "$REGEN_BATCH" \
-      --batch-size 32 "${COMMON[@]}" --out "$OUT/a-capture"
-  draftport train --target "$A" --data "$OUT/a-capture" --steps "$A_STEPS" --batch-size 16 "${COMMON[@]}" \
-      --out "$OUT/a-train"
-  DRAFTER_A=$(python -c 'import json, sys; print(json.load(open(sys.argv[1]))["final_drafter"])' "$OUT/a-train/summary.json")
+if want chat; then
+  if [ -n "${CHAT_A:-}" ]; then echo "gpu_study: chat: CHAT_A=$CHAT_A given, skipped"
+  elif [ -f "$A/make_chat_target.json" ]; then echo "gpu_study: chat: $A exists, skipped"; else
+    : "${DRAFTPORT_CHAT_DATA:?set DRAFTPORT_CHAT_DATA to the chat fine-tuning conversations}"
+    run "$PY" examples/make_chat_target.py --target-a "$BASE" --data "$DRAFTPORT_CHAT_DATA" --out "$A" \
+        --steps "$CHAT_STEPS" --batch-size "$CHAT_BATCH" --max-len "$CHAT_MAX_LEN" --num-convs "$CHAT_CONVS" --device "$DEVICE"
+  fi
+  lap "chat target A"
 fi
-lap "drafter A"
 
-# 3. the port study A → B (B regenerates the study's answers: a drafter for B should learn B's text)
-draftport study --target-a "$A" --drafter-a "$DRAFTER_A" --target-b "$OUT/target-b" \
-    --data "$OUT/data-study.jsonl" --regenerate --regen-batch-size "$REGEN_BATCH" --sizes "$STUDY_SIZES" \
-    --steps "$STUDY_STEPS" --batch-size "${STUDY_BATCH:-16}" --eval-prompts "$EVAL_PROMPTS" --max-new-tokens 128 --probe-samples 64 \
-    "${COMMON[@]}" --out "$OUT/study"
-lap "study"
+if want drafter-a; then
+  if [ -n "${DRAFTER_A:-}" ]; then echo "gpu_study: drafter-a: DRAFTER_A=$DRAFTER_A given, skipped"
+  elif [ -f "$OUT/drafter-a/summary.json" ]; then echo "gpu_study: drafter-a exists, skipped"; else
+    need "$A" "the chat stage, or CHAT_A"
+    need "$OUT/data/a.jsonl" "the data stage"
+    run "$PY" -m draftport train --target "$A" --chat-template gemma --data "$OUT/data/a.jsonl" \
+        --regenerate --samples-per-prompt "$SAMPLES" --temperature "$TEMPERATURE" --max-new-tokens "$REGEN_NEW" \
+        --regen-batch-size "$REGEN_BATCH" --max-len "$MAX_LEN" --steps "$A_STEPS" --batch-size "$A_BATCH" \
+        --lr "$A_LR" --ttt-steps "$TTT" --lm-head-from-target --device "$DEVICE" --out "$OUT/drafter-a"
+  fi
+  lap "drafter A"
+fi
 
-python - "$OUT/study/summary.json" <<'PY'
-import json, sys
-s = json.load(open(sys.argv[1]))
-cols = ["drafter", "samples", "accept_len", "tok_s", "baseline_tok_s", "speedup", "break_even_accept_len",
-        "verify_ms_to_pay"]
-print("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
-for r in s["rows"]:
-    print("| " + " | ".join("–" if r.get(c) is None else (f"{r[c]:.3g}" if isinstance(r[c], float) else str(r[c]))
-                            for c in cols) + " |")
-print("similarity:", {k: round(v["cka"], 3) for k, v in s["similarity"].items()},
-      "plug-in τ (offline):", s["plugin_accept_len"], "τ on A (offline):", s["accept_len_a"])
-PY
-echo "gpu_study: report at $OUT/study/report.html ($(( $(date +%s) - t0 )) s)"
+if want derivatives; then
+  todo=""
+  for b in ${DERIVATIVES//,/ }; do [ -f "$OUT/derivatives/B-$b/make_derivative.json" ] || todo="$todo,$b"; done
+  if [ -z "$todo" ]; then echo "gpu_study: derivatives exist, skipped"; else
+    : "${DRAFTPORT_CHAT_DATA:?set DRAFTPORT_CHAT_DATA (B-chat and B-long fine-tune on its later slices)}"
+    : "${DRAFTPORT_CODE:?set DRAFTPORT_CODE to the code conversations (B-code)}"
+    need "$A" "the chat stage, or CHAT_A"
+    run "$PY" examples/make_derivatives.py --target-a "$A" --chat-data "$DRAFTPORT_CHAT_DATA" \
+        --code-data "$DRAFTPORT_CODE" --chat-skip "$CHAT_CONVS" --only "${todo#,}" --device "$DEVICE" \
+        --out "$OUT/derivatives"
+  fi
+  lap "derivatives"
+fi
+
+if want port; then
+  need "$DRAFTER" "the drafter-a stage, or DRAFTER_A"
+  if [ -f "$OUT/port/A/eval/summary.json" ]; then echo "gpu_study: port: A's eval exists, skipped"; else
+    run "$PY" -m draftport eval --target "$A" --drafter "$DRAFTER" "${EVAL[@]}" --out "$OUT/port/A/eval"
+  fi
+  for b in ${DERIVATIVES//,/ }; do
+    B="$OUT/derivatives/B-$b"; P="$OUT/port/B-$b"
+    need "$B" "the derivatives stage"
+    if [ -f "$P/probe/summary.json" ]; then echo "gpu_study: port: B-$b probe exists, skipped"; else
+      need "$PROBE_DATA" "A's regenerated answers from the drafter-a stage; set PROBE_DATA with DRAFTER_A"
+      run "$PY" -m draftport probe --target-a "$A" --target-b "$B" --drafter "$DRAFTER" --data "$PROBE_DATA" \
+          --chat-template gemma --max-samples "$PROBE_SAMPLES" --max-len "$MAX_LEN" --depth "$DEPTH" \
+          --device "$DEVICE" --out "$P/probe"
+    fi
+    if [ -f "$P/eval/summary.json" ]; then echo "gpu_study: port: B-$b eval exists, skipped"; else
+      run "$PY" -m draftport eval --target "$B" --drafter "$DRAFTER" "${EVAL[@]}" --out "$P/eval"
+    fi
+  done
+  lap "port (probe + plug-in per B)"
+fi
+
+study_b() {  # the derivative the study runs on: given, else the lowest top-layer cosine the port stage measured
+  if [ -n "${STUDY_B:-}" ]; then echo "$STUDY_B"
+  elif [ -n "$DRY_RUN" ]; then echo "B-code"
+  else "$PY" examples/port_table.py "$OUT" --most-drifted; fi
+}
+study() {  # $1: the script stage, $2: its sizes. The study resumes inside; summary-<stage>.json marks it done
+  if [ -f "$OUT/study/summary-$1.json" ]; then echo "gpu_study: $1 exists, skipped"; return; fi
+  need "$DRAFTER" "the drafter-a stage, or DRAFTER_A"
+  need "$OUT/data/study.jsonl" "the data stage"
+  local sb; sb=$(study_b)
+  need "$OUT/derivatives/$sb" "the derivatives stage"
+  echo "gpu_study: $1 on $sb"
+  run "$PY" -m draftport study --target-a "$A" --drafter-a "$DRAFTER" --target-b "$OUT/derivatives/$sb" \
+      --data "$OUT/data/study.jsonl" --chat-template gemma --regenerate --samples-per-prompt "$SAMPLES" \
+      --temperature "$TEMPERATURE" --regen-new-tokens "$REGEN_NEW" --regen-batch-size "$REGEN_BATCH" --sizes "$2" \
+      --epochs "$STUDY_EPOCHS" --batch-size "$STUDY_BATCH" --lr "$STUDY_LR" --transfer-lr "$TRANSFER_LR" \
+      --lm-head-from-target --ttt-steps "$TTT" --prompts mt-bench --eval-prompts "$EVAL_SAMPLES" \
+      --max-new-tokens "$EVAL_NEW_TOKENS" --depth "$DEPTH" --probe-samples "$PROBE_SAMPLES" --max-len "$MAX_LEN" \
+      --device "$DEVICE" --out "$OUT/study"
+  run cp "$OUT/study/summary.json" "$OUT/study/summary-$1.json"
+}
+
+if want study-small; then study study-small "$STUDY_SMALL"; lap "study-small"; fi
+if want study; then study study "$STUDY_SIZES"; lap "study"; fi
+
+if want table; then
+  run "$PY" examples/port_table.py "$OUT"
+  lap "table"
+fi
+echo "gpu_study: stages '$STAGES' done in $(( $(date +%s) - t0 )) s ($OUT)"

@@ -442,3 +442,110 @@ def test_port_table(examples_path, tmp_path, capsys):
     (tmp_path / "port" / "B-code" / "eval" / "summary.json").write_text("{not json")
     assert main([str(tmp_path)]) == 2
     assert "B-code/eval/summary.json" in capsys.readouterr().err
+
+
+STUDY_ENV = dict(DRAFTPORT_PROMPTS="/d/prompts.jsonl", DRAFTPORT_CHAT_DATA="/d/chat.jsonl",
+                 DRAFTPORT_CODE="/d/code.jsonl", DRAFTPORT_GGUF="/m/g.gguf")
+
+
+def test_gpu_study_dry_run_commands_parse(examples_path, tmp_path, monkeypatch):
+    """Every command examples/gpu_study.sh runs is one its tool accepts: the draftport verbs through the CLI's
+    own parser (and the verb's config), the example scripts through theirs (their work stubbed out)."""
+    import shlex
+
+    import make_chat_target
+    import make_derivatives
+    import port_table
+
+    from draftport.cli import VERBS, build_parser, config_from_args
+    from draftport.study.study import parse_sizes
+
+    cmds = [shlex.split(c) for c in dry_run(tmp_path, "all", script="gpu_study.sh", **STUDY_ENV)]
+    out = str(tmp_path / "floor")
+    assert [c[0] for c in cmds[:3]] == ["sed"] * 3
+    seen = {}
+    monkeypatch.setattr(make_chat_target, "make_chat_target", lambda a: seen.setdefault("chat", a))
+    monkeypatch.setattr(make_derivatives, "make_derivatives", lambda a: seen.setdefault("derivatives", a))
+    monkeypatch.setattr(port_table, "collect", lambda o: seen.setdefault("table", o) and {"rows": [], "a": None,
+                                                                                          "agreement": None,
+                                                                                          "study": None})
+    monkeypatch.setattr(port_table, "markdown", lambda d: "")
+    verbs = []
+    for c in cmds[3:]:
+        if c[0] == "cp":
+            assert c[1] == f"{out}/study/summary.json" and c[2].startswith(f"{out}/study/summary-")
+            continue
+        assert c[0] == "python"
+        if c[1] == "-m":
+            assert c[2] == "draftport"
+            args = build_parser().parse_args(c[3:])
+            module, config, _ = VERBS[args.verb]
+            cfg = config_from_args(getattr(__import__(module, fromlist=[config]), config), args)
+            verbs.append((args.verb, cfg))
+            continue
+        script = {"examples/make_chat_target.py": make_chat_target, "examples/make_derivatives.py": make_derivatives,
+                  "examples/port_table.py": port_table}[c[1]]
+        monkeypatch.chdir(tmp_path)  # port_table writes port.md / port.json into its argument: a folder here
+        (tmp_path / "floor").mkdir(exist_ok=True)
+        assert script.main(c[2:]) == 0
+    assert [v for v, _ in verbs] == ["train", "eval"] + ["probe", "eval"] * 3 + ["study", "study"]
+    train = verbs[0][1]
+    assert train.regenerate and train.samples_per_prompt == 2 and train.lm_head_from_target
+    assert train.chat_template == "gemma" and train.target == f"{out}/chat-a" and train.data == f"{out}/data/a.jsonl"
+    evals = [cfg for v, cfg in verbs if v == "eval"]
+    assert all(e.hybrid and e.max_samples == 10 and e.max_new_tokens == 200 and e.depth == 3 for e in evals)
+    assert [e.target.split("/")[-1] for e in evals] == ["chat-a", "B-code", "B-chat", "B-long"]
+    probes = [cfg for v, cfg in verbs if v == "probe"]
+    assert all(p.drafter == f"{out}/drafter-a/final" and p.data == f"{out}/drafter-a/regenerated.jsonl" for p in probes)
+    small, full = [cfg for v, cfg in verbs if v == "study"]
+    assert parse_sizes(small.sizes).values == (125_000, 500_000)
+    sizes = parse_sizes(full.sizes)
+    assert sizes.tokens and len(sizes.values) >= 4 and sizes.values[-1] / sizes.values[0] >= 16
+    assert set(parse_sizes(small.sizes).values) <= set(sizes.values)  # the full study reuses study-small's runs
+    assert {k: v for k, v in vars(small).items() if k != "sizes"} == {k: v for k, v in vars(full).items() if k != "sizes"}
+    assert full.epochs == 2 and full.steps is None and full.regenerate and full.target_b.endswith("derivatives/B-code")
+    assert seen["chat"].target_a == "/m/g.gguf" and seen["chat"].num_convs == 10520
+    assert seen["derivatives"].only == ["code", "chat", "long"] and seen["derivatives"].chat_skip == 10520
+    assert seen["table"] == out
+
+
+def test_gpu_study_stages_skip_resume_and_inputs(tmp_path):
+    import os
+    import subprocess
+
+    out = tmp_path / "floor"
+    env = dict(STUDY_ENV, CHAT_A="/m/chat-a", DRAFTER_A="/m/drafter", PROBE_DATA="/d/probe.jsonl", STUDY_B="B-chat")
+    cmds = dry_run(tmp_path, "chat,drafter-a,port,study", script="gpu_study.sh", **env)
+    assert not any("make_chat_target" in c or " train " in c for c in cmds)  # given: not rebuilt
+    assert all("--drafter /m/drafter" in c for c in cmds if " eval " in c or " probe " in c)
+    assert "--target-b " + str(out / "derivatives" / "B-chat") in cmds[-2] and "--drafter-a /m/drafter" in cmds[-2]
+    # finished steps are skipped: A's eval, B-code's probe, two of three derivatives, study-small
+    for rel in ("port/A/eval/summary.json", "port/B-code/probe/summary.json",
+                "derivatives/B-code/make_derivative.json", "derivatives/B-long/make_derivative.json",
+                "study/summary-study-small.json"):
+        (out / rel).parent.mkdir(parents=True, exist_ok=True)
+        (out / rel).write_text("{}")
+    cmds = dry_run(tmp_path, "derivatives,port,study-small", script="gpu_study.sh", **STUDY_ENV)
+    assert "--only chat " in cmds[0] and len(cmds) == 1 + 5  # B-chat only; 5 of the 7 port steps
+    assert not any(str(out / "port" / "A" / "eval") in c or str(out / "port" / "B-code" / "probe") in c for c in cmds)
+    bad = subprocess.run(["bash", str(EXAMPLES / "gpu_study.sh"), "port,studdy"], capture_output=True, text=True,
+                         env={"PATH": "/usr/bin:/bin", "DRY_RUN": "1", "OUT": str(tmp_path / "x")})
+    assert bad.returncode == 2 and "unknown stage 'studdy'" in bad.stderr
+    # a stage whose input is missing says which (one line, exit 2) instead of failing inside a tool
+    miss = subprocess.run(["bash", str(EXAMPLES / "gpu_study.sh"), "port"], capture_output=True, text=True,
+                          env={**os.environ, **STUDY_ENV, "OUT": str(tmp_path / "y")})
+    assert miss.returncode == 2 and "drafter-a/final: missing" in miss.stderr
+    # the data stage for real: three disjoint slices of the prompts
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": str(i), "turns": [f"q{i}"]}) + "\n" for i in range(10)))
+    res = subprocess.run(["bash", str(EXAMPLES / "gpu_study.sh"), "data"], capture_output=True, text=True,
+                         env={**os.environ, "DRAFTPORT_PROMPTS": str(prompts), "OUT": str(tmp_path / "real"),
+                              "HELDOUT": "2", "A_PROMPTS": "3", "STUDY_PROMPTS": "4"})
+    assert res.returncode == 0, res.stderr
+    lines = prompts.read_text().splitlines(True)
+    got = [(tmp_path / "real" / "data" / f"{n}.jsonl").read_text() for n in ("heldout", "a", "study")]
+    assert got == ["".join(lines[:2]), "".join(lines[2:5]), "".join(lines[5:9])]
+    short = subprocess.run(["bash", str(EXAMPLES / "gpu_study.sh"), "data"], capture_output=True, text=True,
+                           env={**os.environ, "DRAFTPORT_PROMPTS": str(prompts), "OUT": str(tmp_path / "short"),
+                                "A_PROMPTS": "50"})
+    assert short.returncode == 2 and "none left for the study" in short.stderr
