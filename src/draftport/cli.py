@@ -48,35 +48,14 @@ def _int_list(text: str) -> list[int]:
 
 
 def _token_counts(text: str) -> list[int]:
-    """'500k,2M,1.5G' -> [500000, 2000000, 1500000000] (k, M, G: powers of 1000)."""
-    scale = {"k": 10 ** 3, "m": 10 ** 6, "g": 10 ** 9}
-    out = []
-    for part in (x.strip() for x in text.split(",")):
-        if not part:
-            continue
-        mult = scale.get(part[-1].lower(), 1)
-        try:
-            n = float(part[:-1] if mult > 1 else part) * mult
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected token counts like 500k,2M,20M, got {part!r}")
-        if n < 1 or n != int(n):
-            raise argparse.ArgumentTypeError(f"a token count must be a positive whole number, got {part!r}")
-        out.append(int(n))
-    if not out:
-        raise argparse.ArgumentTypeError("expected at least one token count")
-    return out
-
-
-def _study_sizes(text: str) -> str:
-    """study --sizes: checked here (one line, exit 2), kept as text; study.parse_sizes decides the unit."""
+    """'500k,2M,1.5G' -> [500000, 2000000, 1500000000] (train.config.parse_token_counts)."""
     from draftport.errors import DraftportError
-    from draftport.study.study import parse_sizes
+    from draftport.train.config import parse_token_counts
 
     try:
-        parse_sizes(text)
+        return parse_token_counts(text)
     except DraftportError as exc:
         raise argparse.ArgumentTypeError(str(exc))
-    return text
 
 
 def _aux_list(text: str) -> list[int]:
@@ -277,7 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target-a", required=True)
     p.add_argument("--drafter-a", required=True)
     p.add_argument("--target-b", required=True)
-    p.add_argument("--sizes", type=_study_sizes, default=None,
+    p.add_argument("--sizes", default=None,  # the unit is study.parse_sizes' to decide (checked before any work)
                    help="data sizes of the scaling curve: samples (50,200) or tokens (125k,500k,1M,2M: every entry "
                         "with a k/M/G suffix; capture then takes --max-samples prompts, default all of --data)")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps of every run (default one epoch)")

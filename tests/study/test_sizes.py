@@ -28,16 +28,19 @@ def test_parse_sizes_tokens_and_samples():
     assert token_label(1_000_000) == "1M" and parse_sizes("4,8").label(8) == "8"
 
 
-def test_cli_takes_token_sizes_and_refuses_a_mixed_list(capsys):
-    from draftport.cli import build_parser
+def test_cli_takes_token_sizes_and_refuses_a_mixed_list(tmp_path, capsys):
+    from draftport.cli import build_parser, main
 
     base = ["study", "--target-a", "a", "--drafter-a", "d", "--target-b", "b", "--data", "x"]
     args = build_parser().parse_args(base + ["--sizes", "125k,500k,1M,2M", "--epochs", "2"])
     assert parse_sizes(args.sizes).tokens and args.epochs == 2.0
     assert build_parser().parse_args(base + ["--sizes", "50,200"]).sizes == "50,200"
-    with pytest.raises(SystemExit) as exc:
-        build_parser().parse_args(base + ["--sizes", "1M,400"])
-    assert exc.value.code == 2 and "mixes" in capsys.readouterr().err
+    out = tmp_path / "study"
+    assert main(base + ["--sizes", "1M,400", "--out", str(out)]) == 2  # refused before any work: one line
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "mixes" in err[0] and not out.exists()
+    assert main(base + ["--steps", "5", "--epochs", "1", "--out", str(out)]) == 2
+    assert "--steps and --epochs" in capsys.readouterr().err
 
 
 def test_subsets_by_cumulative_tokens():

@@ -340,7 +340,8 @@ def transfer_section(study_path: str = GPU_STUDY):
         "target A after 150 steps of continued training on ShareGPT code conversations, and A's drafter is "
         "plugged into B as is, fine-tuned on B's answers (transfer) or trained from scratch.",
         f"Plug-in: A's drafter keeps offline τ {st['plugin_accept_len']:.2f} on B of its {st['accept_len_a']:.2f} on A.",
-        f"The command that produced it: {GPU_STUDY_COMMAND}. On your own pair of targets: draftport probe "
+        f"The command that produced it (examples/gpu_study.sh as of commit e996f81): {GPU_STUDY_COMMAND}. On your "
+        "own pair of targets: draftport probe "
         "--target-a A --target-b B --data sharegpt --drafter A_DRAFTER (similarity and plug-in τ), or draftport "
         "study (the whole comparison)."],
         tables=[Table(["drafter on B (GPU study)", "samples", "τ offline", "τ online", "tok/s", "no speculation",

@@ -33,7 +33,6 @@ time that would make a drafter pay, v* = τ / baseline − (cycle − verify).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import hashlib
@@ -56,7 +55,6 @@ DONE_FILE = "done.json"      # written when it ends: hash, result, seconds
 DEFAULT_SIZES = [50, 200]
 DEFAULT_EVAL_PROMPTS = 8
 DEFAULT_PROBE_SAMPLES = 64
-TOKEN_SUFFIXES = "kKmMgG"    # a size with one of these is a token count (cli._token_counts' scale)
 
 
 @dataclass
@@ -289,18 +287,18 @@ def token_label(n: int) -> str:
 def parse_sizes(spec) -> Sizes:
     """--sizes: "125k,500k,1M,2M" -> tokens (every entry suffixed k / M / G); "50,200" or [50, 200] ->
     samples, as before. A list that mixes the two is refused: "1M,400" has no single unit."""
-    from draftport.cli import _token_counts
+    from draftport.train.config import TOKEN_SCALE, parse_token_counts
 
     parts = [str(x).strip() for x in (spec.split(",") if isinstance(spec, str) else spec) if str(x).strip()]
     if not parts:
         raise DraftportError("--sizes: expected sample counts (50,200) or token counts (125k,2M), got nothing")
-    suffixed = [p[-1] in TOKEN_SUFFIXES for p in parts]
+    suffixed = [p[-1].lower() in TOKEN_SCALE for p in parts]
     if any(suffixed) and not all(suffixed):
         raise DraftportError(f"--sizes {','.join(parts)}: mixes token counts (k/M/G) and plain sample counts; "
                              "give one unit")
     try:
-        values = _token_counts(",".join(parts)) if all(suffixed) else [int(p) for p in parts]
-    except (ValueError, argparse.ArgumentTypeError) as exc:
+        values = parse_token_counts(",".join(parts)) if all(suffixed) else [int(p) for p in parts]
+    except (ValueError, DraftportError) as exc:
         raise DraftportError(f"--sizes {','.join(parts)}: {exc}") from None
     if min(values) < 1:
         raise DraftportError(f"--sizes must be positive counts, got {','.join(parts)}")
@@ -308,16 +306,16 @@ def parse_sizes(spec) -> Sizes:
 
 
 def _sizes(cfg: StudyConfig) -> Sizes:
+    if cfg.steps is not None and cfg.epochs is not None:
+        raise DraftportError("--steps and --epochs both set: give one (--epochs sizes each run's steps)")
+    if cfg.epochs is not None and cfg.epochs <= 0:
+        raise DraftportError(f"--epochs must be positive, got {cfg.epochs}")
     if cfg.sizes is None:
         return Sizes("samples", tuple(sorted({max(1, cfg.max_samples // 4), cfg.max_samples} if cfg.max_samples
                                              else set(DEFAULT_SIZES))))
     sizes = parse_sizes(cfg.sizes)
     if not sizes.tokens and cfg.max_samples is not None and sizes.values[-1] > cfg.max_samples:
         raise DraftportError(f"--sizes {list(sizes.values)} asks for more than --max-samples {cfg.max_samples}")
-    if cfg.steps is not None and cfg.epochs is not None:
-        raise DraftportError("--steps and --epochs both set: give one (--epochs sizes each run's steps)")
-    if cfg.epochs is not None and cfg.epochs <= 0:
-        raise DraftportError(f"--epochs must be positive, got {cfg.epochs}")
     return sizes
 
 

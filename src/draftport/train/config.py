@@ -8,6 +8,28 @@ from dataclasses import dataclass
 from draftport.errors import DraftportError
 
 
+TOKEN_SCALE = {"k": 10 ** 3, "m": 10 ** 6, "g": 10 ** 9}  # token-count suffixes (either case): powers of 1000
+
+
+def parse_token_counts(text: str) -> list[int]:
+    """'500k,2M,1.5G' -> [500000, 2000000, 1500000000]: --save-at-tokens, and study --sizes in tokens."""
+    out = []
+    for part in (x.strip() for x in text.split(",")):
+        if not part:
+            continue
+        mult = TOKEN_SCALE.get(part[-1].lower(), 1)
+        try:
+            n = float(part[:-1] if mult > 1 else part) * mult
+        except ValueError:
+            raise DraftportError(f"expected token counts like 500k,2M,20M, got {part!r}") from None
+        if n < 1 or n != int(n):
+            raise DraftportError(f"a token count must be a positive whole number, got {part!r}")
+        out.append(int(n))
+    if not out:
+        raise DraftportError("expected at least one token count")
+    return out
+
+
 @dataclass
 class TrainConfig:
     target: str                          # HF model dir, .gguf, 'gemma-3-270m', or tiny-llama / tiny-qwen2 / tiny-gemma3
