@@ -45,6 +45,7 @@
 #   DERIVATIVES=code,chat,long PROBE_SAMPLES=64 EVAL_SAMPLES=10 EVAL_NEW_TOKENS=200 DEPTH=3
 #   STUDY_SIZES=125k,250k,500k,2M STUDY_SMALL=125k,500k STUDY_EPOCHS=2 STUDY_BATCH=32 STUDY_LR=1e-3
 #   TRANSFER_LR=5e-4 (half the scratch lr: train's own ratio for a warm start, 5e-5 vs 1e-4) DEVICE=cuda
+#   DERIVATIVE_ARGS="" (extra make_derivatives.py flags, e.g. "--steps 2 --batch-size 2 --max-len 64" for a CPU smoke)
 #
 #   python examples/make_study_data.py --out-dir data --prompts 15700 --code 1500 --chat 12600 --chat-skip 4000 \
 #       --max-chat-chars 8000
@@ -138,7 +139,7 @@ if want derivatives; then
     need "$A" "the chat stage, or CHAT_A"
     run "$PY" examples/make_derivatives.py --target-a "$A" --chat-data "$DRAFTPORT_CHAT_DATA" \
         --code-data "$DRAFTPORT_CODE" --chat-skip "$CHAT_CONVS" --only "${todo#,}" --device "$DEVICE" \
-        --out "$OUT/derivatives"
+        --out "$OUT/derivatives" ${DERIVATIVE_ARGS:-}
   fi
   lap "derivatives"
 fi

@@ -549,3 +549,48 @@ def test_gpu_study_stages_skip_resume_and_inputs(tmp_path):
                            env={**os.environ, "DRAFTPORT_PROMPTS": str(prompts), "OUT": str(tmp_path / "short"),
                                 "A_PROMPTS": "50"})
     assert short.returncode == 2 and "none left for the study" in short.stderr
+
+
+@pytest.mark.slow
+def test_gpu_study_runs_end_to_end_on_a_tiny_chat_target(tmp_path):
+    """The whole chain of examples/gpu_study.sh on the CPU (a tiny Gemma-3 as the base, every size cut down):
+    the stages fit together (the probe reads A's regenerated answers, the study runs on a Gemma target that no
+    serving engine takes, study reuses study-small's runs), and port.md holds every B and the data ratio."""
+    import os
+    import subprocess
+    import sys
+
+    from draftport.model.target import tiny_target
+
+    tok = gemma_tokenizer()
+    base = tmp_path / "base"  # 8 layers: EAGLE-3's default taps [2, 4, 5] are distinct
+    t = tiny_target("gemma3", seed=0, vocab_size=len(tok))
+    t.model.save_pretrained(base)
+    tok.save_pretrained(base)
+    words = ["sea", "robot", "France", "numbers", "fox", "ten", "music", "rain", "trains", "tea"]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": str(i), "turns": [f"Tell me about the {w} ({i})."]}) + "\n"
+                               for i, w in enumerate(words * 6)))
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text("".join(json.dumps(c) + "\n" for c in CONVS[:3] * 6))
+    code = tmp_path / "code.jsonl"
+    code.write_text("".join(json.dumps(CONVS[3]) + "\n" for _ in range(4)))
+    out = tmp_path / "out"
+    src = str(Path(__file__).resolve().parent.parent / "src")
+    env = {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", ""), "PYTHON": sys.executable,
+           "OUT": str(out), "DEVICE": "cpu", "DRAFTPORT_GGUF": str(base), "DRAFTPORT_PROMPTS": str(prompts),
+           "DRAFTPORT_CHAT_DATA": str(chat), "DRAFTPORT_CODE": str(code), "HELDOUT": "2", "A_PROMPTS": "8",
+           "STUDY_PROMPTS": "40", "REGEN_NEW": "16", "REGEN_BATCH": "16", "MAX_LEN": "96", "A_STEPS": "4",
+           "A_BATCH": "4", "CHAT_STEPS": "2", "CHAT_BATCH": "2", "CHAT_CONVS": "6", "CHAT_MAX_LEN": "96",
+           "DERIVATIVE_ARGS": "--steps 2 --batch-size 2 --max-len 96 --num-convs 4", "PROBE_SAMPLES": "4",
+           "EVAL_SAMPLES": "1", "EVAL_NEW_TOKENS": "6", "STUDY_SIZES": "0.4k,0.8k,1.6k,3.2k", "STUDY_SMALL": "0.4k,1.6k",
+           "STUDY_BATCH": "4"}
+    res = subprocess.run(["bash", str(EXAMPLES / "gpu_study.sh")], env=env, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-3000:] + res.stdout[-3000:]
+    md = (out / "port.md").read_text()
+    assert all(f"| B-{b} |" in md for b in ("code", "chat", "long")) and "Transfer against scratch on B-code" in md
+    study = json.loads((out / "study" / "summary-study.json").read_text())
+    assert [p["label"] for p in study["size_points"]] == ["400", "800", "1.6k", "3.2k"]
+    assert study["stage_timings"]["train-scratch-1.6k"]["cached"]  # study-small's run, reused
+    assert "gpu_study: derivatives exist, skipped" in subprocess.run(
+        ["bash", str(EXAMPLES / "gpu_study.sh"), "derivatives"], env=env, capture_output=True, text=True).stdout

@@ -90,6 +90,10 @@ def test_data_ratio_measured_and_interpolated():
     early = transfer_data_ratio(_rows([1.65, 1.7, 1.72, 1.75], [1.1, 1.3, 1.45, 1.60]))
     assert early["ratio"] == pytest.approx(125_040 / 2_000_040) and early["ratio_interpolated"] is None
     assert early["goal_met"] is True and "upper bound" in ratio_sentence(early, token_label)
+    assert early["plugin_accept_len"] == 1.3 and not early["plugin_reaches"] and "plugged in" not in \
+        ratio_sentence(early, token_label)
+    flat = transfer_data_ratio(_rows([1.2, 1.3, 1.3, 1.3], [1.1, 1.2, 1.25, 1.3]))  # scratch ends at plug-in's 1.3
+    assert flat["plugin_reaches"] and "scratch never got past it" in ratio_sentence(flat, token_label)
     never = transfer_data_ratio(_rows([1.2, 1.3, 1.4, 1.5], [1.1, 1.3, 1.45, 1.60]))
     assert never["reached"] is False and never["ratio"] is None and "does not reach" in ratio_sentence(never)
     assert transfer_data_ratio(_rows([], [1.1, 1.3, 1.45, 1.60])) is None
@@ -114,3 +118,14 @@ def test_report_states_sizes_in_tokens_and_samples(tmp_path):
     assert "| transfer | 1M | 4000 | 1000040 | 10 | 2 | 1.72 | 1.62 | 1.48 | 1.92 |" in md  # size as asked beside the subset trained on
     assert "τ hybrid" in md and os.path.getsize(tmp_path / "accept_vs_data.png") > 1000
     json.dumps(summary)  # every figure JSON-able (summary.json)
+
+
+def test_a_target_no_serving_engine_runs_is_studied_not_refused():
+    """Gemma-3: SGLang and vLLM do not run EAGLE-3 on it (check's target_unsupported), draftport's engine does;
+    the study refuses only what makes the drafter unfit for B."""
+    from draftport.study.study import fit_errors
+
+    serving = {"severity": "error", "code": "target_unsupported", "message": "SGLang's Gemma3ForCausalLM has no …"}
+    width = {"severity": "error", "code": "fc_width", "message": "fc reads 3×640, B gives 3×1024"}
+    warn = {"severity": "warning", "code": "aux_ids_ignored", "message": "vLLM ignores eagle_config ids"}
+    assert fit_errors([serving, warn]) == [] and fit_errors([serving, width]) == [width["message"]]

@@ -227,8 +227,11 @@ def transfer_data_ratio(rows: list[dict], key: str = "tokens") -> dict | None:
     if not tr or not sc:
         return None
     (s_size, s_tau) = sc[-1]
+    plugin = next((r.get("accept_len") for r in rows if r["drafter"] == "plug-in"), None)
     out = {"unit": key, "scratch_size": s_size, "scratch_accept_len": s_tau, "transfer_size": None, "ratio": None,
-           "ratio_interpolated": None, "reached": False, "goal_ratio": 0.25, "goal_met": False}
+           "ratio_interpolated": None, "reached": False, "goal_ratio": 0.25, "goal_met": False,
+           # A's drafter with no training already at scratch's final τ: "transfer reaches it" then says little
+           "plugin_accept_len": plugin, "plugin_reaches": plugin is not None and plugin >= s_tau}
     first = next((i for i, (_, t) in enumerate(tr) if t >= s_tau), None)
     if first is None:
         return out  # transfer never reaches it at the sizes measured
@@ -255,8 +258,10 @@ def ratio_sentence(ratio: dict | None, label=str) -> str:
         return head + "transfer does not reach it at any size measured (goal: ≤ 1/4 of the data: not met)."
     interp = (f", ≈ {ratio['ratio_interpolated']:.2f} interpolated in log size"
               if ratio["ratio_interpolated"] is not None else " (reached at the smallest size: an upper bound)")
+    tail = (f" A's drafter plugged in with no training is already at τ {ratio['plugin_accept_len']:.2f}: scratch "
+            "never got past it." if ratio.get("plugin_reaches") else "")
     return head + (f"transfer reaches it at {label(ratio['transfer_size'])} {unit}: {ratio['ratio']:.3g}× scratch's "
-                   f"data{interp}. Goal ≤ 1/4: {'met' if ratio['goal_met'] else 'not met'}.")
+                   f"data{interp}. Goal ≤ 1/4: {'met' if ratio['goal_met'] else 'not met'}.{tail}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -359,6 +364,16 @@ def steps_for(cfg: StudyConfig, point: dict) -> int | None:
     return max(1, round(cfg.epochs * point["train_samples"] / batch))
 
 
+# check findings about whether a serving engine runs EAGLE-3 on the target at all (SGLang / vLLM on Gemma-3):
+# they decide the engine verdicts, not whether draftport's own engine can feed A's drafter from B
+SERVING_ONLY = {"target_unsupported"}
+
+
+def fit_errors(findings: list[dict]) -> list[str]:
+    """The check errors that make A's drafter unusable on B for the study (widths, vocab, layers out of range)."""
+    return [f["message"] for f in findings if f["severity"] == "error" and f.get("code") not in SERVING_ONLY]
+
+
 def stage_check(cfg: StudyConfig) -> dict:
     from draftport.check.compat import CheckConfig, run_check
 
@@ -366,6 +381,7 @@ def stage_check(cfg: StudyConfig) -> dict:
     errors = [f for f in result["findings"] if f["severity"] == "error"]
     return {"verdict": result.get("target_verdict", result["verdict"]), "engine_verdicts": result.get("engine_verdicts"),
             "capture_layers": result.get("capture_layers"), "errors": [f["message"] for f in errors],
+            "fit_errors": fit_errors(result["findings"]),
             "warnings": [f["message"] for f in result["findings"] if f["severity"] == "warning"]}
 
 
@@ -501,6 +517,8 @@ def study_report(summary: dict, out: str) -> tuple[str, str]:
         f"Verdict of A's drafter against target B: {chk['verdict']} "
         f"(engines: {', '.join(f'{e} {v}' for e, v in (chk.get('engine_verdicts') or {}).items())}); layers fed: "
         f"{', '.join(f'{e} {v}' for e, v in (chk.get('capture_layers') or {}).items())}.",
+        *[f"Serving: {e} (the study runs on draftport's own engine, which feeds the drafter from B)"
+          for e in chk.get("errors", []) if e not in chk.get("fit_errors", [])][:2],
         *[f"Warning: {w}" for w in chk.get("warnings", [])[:6]]]))
 
     sim = summary["similarity"]
@@ -598,10 +616,11 @@ def run_study(cfg: StudyConfig, console: Console | None = None) -> dict:
                                            "seed", "chat_template", "engine")}
     common = {k: (os.path.abspath(v) if isinstance(v, str) and os.path.exists(v) else v) for k, v in common.items()}
 
-    check = stages.run("check", {"drafter": common["drafter_a"], "target": common["target_b"]},
+    check = stages.run("check", {"drafter": common["drafter_a"], "target": common["target_b"], "rule": "fit"},
                        lambda d: stage_check(cfg), "check: A's drafter against B")
-    if check["verdict"] == "incompatible":
-        raise DraftportError("A's drafter cannot be fed by target B: " + "; ".join(check["errors"][:3]), cfg.drafter_a)
+    if check["fit_errors"]:  # an engine that cannot serve B (Gemma-3 today) is reported, not fatal: ours runs it
+        raise DraftportError("A's drafter cannot be fed by target B: " + "; ".join(check["fit_errors"][:3]),
+                             cfg.drafter_a)
     layers = study_layers(cfg)
 
     # sample sizes capture just what the largest needs; token sizes capture the prompts given (the tokens a
