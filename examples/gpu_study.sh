@@ -31,10 +31,11 @@
 #
 # Inputs (nothing is downloaded):
 #   DRAFTPORT_GGUF       the base target: a .gguf file, an HF dir or gemma-3-270m (default gemma-3-270m)
-#   DRAFTPORT_PROMPTS    prompts JSONL (examples/make_study_data.py --prompts 15700 …)
-#   DRAFTPORT_CHAT_DATA  chat conversations: A's fine-tuning (the first CHAT_CONVS), then B-chat's and B-long's slices
-#                        (make_study_data.py --chat 12600 --chat-skip 4000 --max-chat-chars 8000)
-#   DRAFTPORT_CODE       code conversations for B-code (make_study_data.py --code 1500, code.jsonl)
+#   DRAFTPORT_PROMPTS    prompts JSONL, ≥ HELDOUT + A_PROMPTS + STUDY_PROMPTS lines (make_study_data.py, below)
+#   DRAFTPORT_CHAT_DATA  chat conversations: A's fine-tuning (the first CHAT_CONVS), then B-chat's and B-long's
+#                        slices of 1,000 each (so ≥ CHAT_CONVS + 2,000 lines, ≥ 1,536 tokens long for B-long)
+#   DRAFTPORT_CODE       code conversations for B-code (conversations 100–3,999: never the chat target's, never
+#                        a study prompt; ShareGPT past the prompts has almost none)
 #   CHAT_A, DRAFTER_A    an existing chat target / A's drafter (skip those stages)
 #   PROBE_DATA           the probe's texts (default: A's own regenerated answers, $OUT/drafter-a/regenerated.jsonl;
 #                        needed when DRAFTER_A comes from elsewhere)
@@ -47,8 +48,8 @@
 #   TRANSFER_LR=5e-4 (half the scratch lr: train's own ratio for a warm start, 5e-5 vs 1e-4) DEVICE=cuda
 #   DERIVATIVE_ARGS="" (extra make_derivatives.py flags, e.g. "--steps 2 --batch-size 2 --max-len 64" for a CPU smoke)
 #
-#   python examples/make_study_data.py --out-dir data --prompts 15700 --code 1500 --chat 12600 --chat-skip 4000 \
-#       --max-chat-chars 8000
+#   python examples/make_study_data.py --out-dir data --prompts 11100 --code 1500 --code-skip 100 --code-until 4000 \
+#       --chat 12600 --chat-skip 4000 --max-chat-chars 6000     # 11,100 prompts, 1,350 code, 12,600 chat; 17 MB as .tgz
 #   DRAFTPORT_GGUF=gemma.gguf DRAFTPORT_PROMPTS=data/prompts.jsonl DRAFTPORT_CHAT_DATA=data/chat.jsonl \
 #       DRAFTPORT_CODE=data/code.jsonl OUT=study bash examples/gpu_study.sh data,chat   # then drafter-a, …
 set -euo pipefail

@@ -5,9 +5,9 @@ chat template); each derivative continues A's supervised fine-tuning (examples/s
 fp32 master weights under bf16 autocast, AdamW, warm-up + cosine) on a different mix, so the port study can ask
 whether A's drafter still works on a model that moved a little or a lot:
 
-    code   code conversations (make_target_b.is_code; make_study_data.py's code.jsonl), 400 steps × 16 × ≤ 512
-           tokens at lr 1e-4 (twice A's lr, ≈ 4 epochs of 1,500 conversations): the most drifted — a
-           distribution A barely saw, trained hard. H200 ≈ 60 s of training (A's 700 × 16 × 512 took 108 s).
+    code   code conversations (make_target_b.is_code; make_study_data.py's code.jsonl: 1,350 of ShareGPT's
+           conversations 100–3,999, which A's fine-tuning skips), 400 steps × 16 × ≤ 512 tokens at lr 1e-4 (twice
+           A's lr, ≈ 4.7 epochs): the most drifted — a distribution A saw little of, trained hard. H200 ≈ 60 s of training (A's 700 × 16 × 512 took 108 s).
     chat   another slice of A's own kind of data (the 1,000 chat conversations after the --chat-skip that A was
            tuned on), 60 steps × 16 × ≤ 512 at lr 2e-5: close to A. H200 ≈ 10 s of training.
     long   the next 1,000 chat conversations at up to 1,536 tokens a sequence (A saw ≤ 512), 120 steps × 8 at
@@ -61,7 +61,7 @@ class Derivative:
 
 DERIVATIVES = {d.name: d for d in (
     Derivative("code", "code", steps=400, batch_size=16, max_len=512, lr=1e-4, num_convs=1500,
-               why="most drifted: code, which A barely saw, ~4 epochs at twice A's lr"),
+               why="most drifted: code A never saw, ~4.7 epochs of 1,350 conversations at twice A's lr"),
     Derivative("chat", "chat", steps=60, batch_size=16, max_len=512, lr=2e-5, num_convs=1000,
                why="close to A: another slice of A's kind of data, few steps at a low lr"),
     Derivative("long", "chat", steps=120, batch_size=8, max_len=1536, lr=5e-5, num_convs=1000, slice=1,

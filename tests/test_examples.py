@@ -594,3 +594,18 @@ def test_gpu_study_runs_end_to_end_on_a_tiny_chat_target(tmp_path):
     assert study["stage_timings"]["train-scratch-1.6k"]["cached"]  # study-small's run, reused
     assert "gpu_study: derivatives exist, skipped" in subprocess.run(
         ["bash", str(EXAMPLES / "gpu_study.sh"), "derivatives"], env=env, capture_output=True, text=True).stdout
+
+
+def test_make_study_data_code_window(examples_path, tmp_path):
+    """--code-skip / --code-until: code conversations from a window of their own (ShareGPT past the prompts has
+    almost none), prompts or not; without them, code comes after the prompts as before."""
+    from make_study_data import main
+
+    data = tmp_path / "all.jsonl"
+    data.write_text("".join(json.dumps(CONVS[3 if i % 2 else 2]) + "\n" for i in range(12)))  # odd: code
+    assert main(["--data", str(data), "--out-dir", str(tmp_path / "w"), "--prompts", "8", "--code", "9",
+                 "--code-skip", "1", "--code-until", "6"]) == 0
+    assert len((tmp_path / "w" / "code.jsonl").read_text().splitlines()) == 3  # conversations 1, 3, 5
+    assert len((tmp_path / "w" / "prompts.jsonl").read_text().splitlines()) == 8
+    assert main(["--data", str(data), "--out-dir", str(tmp_path / "after"), "--prompts", "8", "--code", "9"]) == 0
+    assert len((tmp_path / "after" / "code.jsonl").read_text().splitlines()) == 2  # 9 and 11, past the prompts

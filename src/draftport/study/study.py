@@ -18,7 +18,7 @@ Sizes: `--sizes 100,400` are sample counts (capture takes max(sizes) prompts); `
 (every entry with a k / M / G suffix) are token counts: capture takes --max-samples prompts (default all of
 --data), and each size trains on the shortest prefix of the captured samples holding at least that many
 tokens (all tokens of a sample, prompt and answer: what `train` counts as tokens seen). N in a stage name
-is the size as given ("125k"). The report states every size in tokens and samples. --epochs sets each run's
+is the size's label (125k, 0.5M, 2M). The report states every size in tokens and samples. --epochs sets each run's
 steps from its own training samples (the same epochs at every size, for transfer and scratch alike);
 --steps instead gives every run the same steps (then epochs fall as the size grows).
 
