@@ -78,7 +78,7 @@ for s in ${STAGES//,/ }; do  # a typo must not silently run nothing
     echo "gpu_study: unknown stage '$s' (known: all, ${ALL_STAGES// /, })" >&2; exit 2;; esac
 done
 want() { [[ ",$STAGES," == *",all,"* || ",$STAGES," == *",$1,"* ]]; }
-run() { echo "+ $*"; if [ -z "$DRY_RUN" ]; then "$@"; fi; }
+run() { printf "+"; printf " %q" "$@"; echo; if [ -z "$DRY_RUN" ]; then "$@"; fi; }  # quoted: a dry run can be pasted
 need() { # a stage's input made by an earlier stage (or given): a one-line error now, not a traceback later
   if [ -z "$DRY_RUN" ] && [ ! -e "$1" ]; then echo "gpu_study: $1: missing ($2)" >&2; exit 2; fi; }
 t0=$(date +%s)
