@@ -19,12 +19,7 @@ import json
 import os
 import sys
 
-
-def token_label(n: int) -> str:
-    """500000 -> '0.5M', 20000000 -> '20M', 64000 -> '64k'."""
-    if n >= 5 * 10 ** 5:
-        return f"{n / 10 ** 6:.3g}M"
-    return f"{n / 10 ** 3:.3g}k" if n >= 10 ** 3 else str(n)
+from draftport.train.config import token_label
 
 
 def parse_sets(text: str) -> list[tuple[str, str]]:

@@ -49,6 +49,7 @@ from rich.table import Table
 
 from draftport.errors import DraftportError, bad_input
 from draftport.safeio import atomic_write_json, read_json
+from draftport.train.config import token_label
 
 STAGE_FILE = "stage.json"    # written when a stage starts: its config hash
 DONE_FILE = "done.json"      # written when it ends: hash, result, seconds
@@ -280,13 +281,6 @@ class Sizes:
 
     def label(self, n: int) -> str:
         return token_label(n) if self.tokens else str(n)
-
-
-def token_label(n: int) -> str:
-    """500000 -> '0.5M', 2000000 -> '2M', 125000 -> '125k' (examples/learning_curve.py writes the same)."""
-    if n >= 5 * 10 ** 5:
-        return f"{n / 10 ** 6:.3g}M"
-    return f"{n / 10 ** 3:.3g}k" if n >= 10 ** 3 else str(n)
 
 
 def parse_sizes(spec) -> Sizes:

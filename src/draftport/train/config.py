@@ -11,6 +11,13 @@ from draftport.errors import DraftportError
 TOKEN_SCALE = {"k": 10 ** 3, "m": 10 ** 6, "g": 10 ** 9}  # token-count suffixes (either case): powers of 1000
 
 
+def token_label(n: int) -> str:
+    """parse_token_counts' inverse for labels: 500000 -> '0.5M', 20000000 -> '20M', 125000 -> '125k'."""
+    if n >= 5 * 10 ** 5:
+        return f"{n / 10 ** 6:.3g}M"
+    return f"{n / 10 ** 3:.3g}k" if n >= 10 ** 3 else str(n)
+
+
 def parse_token_counts(text: str) -> list[int]:
     """'500k,2M,1.5G' -> [500000, 2000000, 1500000000]: --save-at-tokens, and study --sizes in tokens."""
     out = []
