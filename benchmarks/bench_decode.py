@@ -98,8 +98,8 @@ def parse_args(argv=None):
     p.add_argument("--work-dir", default=None, help="where eval runs write (default: a temp dir)")
     p.add_argument("--out", default=None, help="JSON file to write the result line to")
     p.add_argument("--target-pass", default="auto",
-                   help="comma list of target passes (auto, hf, native, native-whole) timed side by side in the target_pass "
-                        "section; the other sections use the first")
+                   help="comma list of target passes (auto, hf, native, native-whole) timed side by side in the "
+                        "target_pass section; the other sections use the first")
     p.add_argument("--prefill-lens", default="128,512", help="prompt lengths the target_pass section prefills")
     p.add_argument("--profile", default=None, help="write torch-profiler kernel tables of a 1-token step and an "
                                                    "8-token verify (graphs off, to see each kernel) to this file")
@@ -264,8 +264,7 @@ def section_steps(target, drafter, args, hbm: float) -> dict:
     out["sdpa_choices"] = base.sdpa_choices()
     out["target_pass"] = base.target_pass_kind
     if base.native is not None:
-        out["native"] = {**base.native.report(), "compiled": base.native_compiled,
-                                 "scope": base.native_scope}
+        out["native"] = base.native_report()
     if base.fused is not None:
         from draftport.model.fusion import compile_failures
         out["fusion"] = {**base.fused.report, "compile_failures": compile_failures()}
@@ -341,8 +340,7 @@ def section_target_pass(target, drafter, prompts, args, hbm: float, stop_ids=())
                 row[f"prefill_{P}_tok_s"] = 1000.0 * P / ms
             row["sdpa_choices"] = base.sdpa_choices()
             if base.native is not None:
-                row["native"] = {**base.native.report(), "compiled": base.native_compiled,
-                                 "scope": base.native_scope}
+                row["native"] = base.native_report()
             del base, spec, eng
             plain_len = max(len(p) for p in prompts) + args.max_new_tokens + 64
             plain = SpecEngine(target, None, EngineConfig(max_len=plain_len, **pass_config(tp)))

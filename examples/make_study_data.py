@@ -48,7 +48,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     prompts, code, chat = [], [], []
 
-    def take_code(i, conv) -> None:
+    def take_code(conv) -> None:
         if len(code) < args.code and is_code(conv):
             msgs = cut_messages(conv.messages, args.max_conv_chars)
             if any(m["role"] == "assistant" for m in msgs):
@@ -60,7 +60,7 @@ def main(argv=None) -> int:
             if any(m["role"] == "assistant" for m in msgs):
                 chat.append({"id": conv.id, "messages": msgs})
         if args.code_skip is not None and args.code_skip <= i and (args.code_until is None or i < args.code_until):
-            take_code(i, conv)
+            take_code(conv)
         users = [m["content"] for m in conv.messages if m["role"] == "user"]
         if not users or not users[0].strip():
             continue
@@ -69,7 +69,7 @@ def main(argv=None) -> int:
                 prompts.append({"id": conv.id, "turns": [users[0]]})
             continue
         if args.code_skip is None:
-            take_code(i, conv)
+            take_code(conv)
         if len(code) >= args.code and len(chat) >= args.chat:
             break
     shared = {r["id"] for r in prompts} & {r["id"] for r in chat}

@@ -138,7 +138,7 @@ def _f(x, fmt=".3f") -> str:
 
 
 def markdown(data: dict) -> str:
-    from draftport.study.study import ratio_sentence, token_label
+    from draftport.study.study import ratio_sentence, unit_label
 
     a = data["a"] or {}
     lines = ["| B | mix (steps × batch × len, lr) | SFT loss | top layer | cosine mean (p5) | CKA | "
@@ -167,7 +167,7 @@ def markdown(data: dict) -> str:
                    "read the columns, not the coefficient).")
     st = data["study"]
     if st is not None:
-        label = token_label if st["size_unit"] == "tokens" else str
+        label = unit_label(st["size_unit"])
         out += ["", f"Transfer against scratch on {os.path.basename(str(st['target_b']))}: "
                 + ratio_sentence(st["data_ratio"], label), "",
                 "| drafter | size | samples | tokens | epochs | τ | floor τ | hybrid τ | tok/s | no spec tok/s |",

@@ -128,7 +128,9 @@ def _add_regen(p: argparse.ArgumentParser, batch_default: str) -> None:
     p.add_argument("--samples-per-prompt", type=int, default=1, help="regeneration: answers per prompt")
     p.add_argument("--regen-batch-size", type=int, default=None,
                    help=f"regeneration: sequences generated together (default {batch_default}; GPUs want hundreds)")
-    p.add_argument("--regen-engine", default="batch", choices=["batch", "hf"],
+    from draftport.train.config import REGEN_ENGINES
+
+    p.add_argument("--regen-engine", default="batch", choices=list(REGEN_ENGINES),
                    help="regeneration: batch = the static-cache batch engine (CUDA-graphed), hf = HF generate")
     p.add_argument("--max-new-tokens", type=int, default=None, help="regeneration: tokens per response")
     p.add_argument("--temperature", type=float, default=0.0, help="regeneration temperature (0 = greedy)")

@@ -221,6 +221,12 @@ class SpecEngine:
     def _call(self, name: str, fn, *args: torch.Tensor, variants=(contextlib.nullcontext,)):
         return self.graphs.call(name, fn, *args, variants=variants)
 
+    def native_report(self) -> dict | None:
+        """The native decoder's report plus what this engine runs of it (None on the HF modules)."""
+        if self.native is None:
+            return None
+        return {**self.native.report(), "compiled": self.native_compiled, "scope": self.native_scope}
+
     def sdpa_choices(self) -> dict[str, str]:
         """The attention kernel each graphed target pass ended up with, by token count ("auto" timing)."""
         return self.graphs.sdpa_choices()

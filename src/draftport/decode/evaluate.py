@@ -512,6 +512,11 @@ def render_floor(summary: dict, console) -> None:
 # eval
 # ---------------------------------------------------------------------------------------------
 
+def target_pass_settings(cfg) -> dict:
+    """How an eval / generate config asks the engine to run its target pass: the same for every engine it builds."""
+    return {"fuse": cfg.fuse, "sdpa": cfg.sdpa, "target_pass": cfg.target_pass, "native_compile": cfg.native_compile}
+
+
 def eval_engines(cfg: EvalConfig, target, drafter, prompts: list[list[int]], N: int, lk=None, hyb_lk=None,
                  ngram_only: bool = False):
     """-> (the speculative EngineConfig resolved, the plain engine, the speculative engine, the floor, the
@@ -521,18 +526,17 @@ def eval_engines(cfg: EvalConfig, target, drafter, prompts: list[list[int]], N: 
     from draftport.decode.engine import EngineConfig, SpecEngine
 
     ecfg = EngineConfig(depth=cfg.depth, topk=cfg.topk, num_draft_tokens=cfg.num_draft_tokens,
-                        temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed, fuse=cfg.fuse,
-                        sdpa=cfg.sdpa, target_pass=cfg.target_pass, native_compile=cfg.native_compile).resolved()
+                        temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed,
+                        **target_pass_settings(cfg)).resolved()
     k = ecfg.depth
     per_cycle = max(ecfg.num_draft_tokens, k + 1, (k - 1) * ecfg.topk + 1)
     ecfg.max_len = max(len(p) for p in prompts) + N + k + per_cycle + 8
     base = SpecEngine(target, None, EngineConfig(temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed,
-                                                 max_len=ecfg.max_len, fuse=cfg.fuse, sdpa=cfg.sdpa,
-                                                 target_pass=cfg.target_pass, native_compile=cfg.native_compile))
+                                                 max_len=ecfg.max_len, **target_pass_settings(cfg)))
     spec = SpecEngine(target, None, ecfg, lookup=lk) if ngram_only else SpecEngine(target, drafter, ecfg)
     # the floor: prompt lookup with the drafter's depth; it and the hybrid are chains, also beside a tree
     chain_cfg = EngineConfig(depth=k, temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed, max_len=ecfg.max_len,
-                             fuse=cfg.fuse, sdpa=cfg.sdpa, target_pass=cfg.target_pass, native_compile=cfg.native_compile)
+                             **target_pass_settings(cfg))
     floor = None if ngram_only or lk is None else SpecEngine(target, None, chain_cfg, lookup=lk)
     hyb = SpecEngine(target, drafter, chain_cfg, lookup=hyb_lk) if hyb_lk is not None else None
     return ecfg, base, spec, floor, hyb
@@ -756,9 +760,7 @@ def eval_summary(run: EvalRun, tally: EvalTally, prompts: list[list[int]]) -> di
                                              "max_len": ecfg.max_len, "cuda_graphs": spec.use_graphs,
                                              "fused": spec.fused is not None, "sdpa": ecfg.sdpa,
                                              "target_pass": spec.target_pass_kind,
-                                             "native": ({**spec.native.report(), "compiled": spec.native_compiled,
-                                                         "scope": spec.native_scope}
-                                                        if spec.native is not None else None),
+                                             "native": spec.native_report(),
                                              "sdpa_choices": {"baseline": base.sdpa_choices(),
                                                               "speculative": spec.sdpa_choices(),
                                                               **({"floor": floor.sdpa_choices()} if floor else {}),
@@ -909,8 +911,8 @@ def run_generate(cfg: GenerateConfig, *, target=None, drafter=None) -> dict:
     ids = encode_prompts(target, [Conversation([{"role": "user", "content": cfg.prompt}])], cfg.chat_template, None)[0]
     stops = stop_token_ids(target.tokenizer, cfg.chat_template, target.eos_token_ids)
     ecfg = EngineConfig(depth=cfg.depth, topk=cfg.topk, num_draft_tokens=cfg.num_draft_tokens,
-                        temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed, fuse=cfg.fuse,
-                        sdpa=cfg.sdpa, target_pass=cfg.target_pass, native_compile=cfg.native_compile).resolved()
+                        temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed,
+                        **target_pass_settings(cfg)).resolved()
     ecfg.max_len = len(ids) + N + max(ecfg.num_draft_tokens, ecfg.depth + 1, (ecfg.depth - 1) * ecfg.topk + 1) + 8
     engine = SpecEngine(target, drafter, ecfg, lookup=lk)
     speculative = drafter is not None or lk is not None

@@ -28,16 +28,18 @@ import torch
 # Llama / Mistral / Qwen: w · (x̂ in the input dtype); Gemma 1-3: (x̂ · (1 + w)) in fp32, then cast.
 
 
-def rms_norm_weight_after_cast(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_normalized(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x̂ = x / rms(x) in fp32, the part both conventions share (native.rms_norm uses it too)."""
     xf = x.float()
-    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * y.to(x.dtype)
+    return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def rms_norm_weight_after_cast(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return weight * rms_normalized(x, eps).to(x.dtype)
 
 
 def rms_norm_unit_offset(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (y * (1.0 + weight.float())).to(x.dtype)
+    return (rms_normalized(x, eps) * (1.0 + weight.float())).to(x.dtype)
 
 
 VARIANTS = (rms_norm_weight_after_cast, rms_norm_unit_offset)

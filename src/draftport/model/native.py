@@ -47,6 +47,7 @@ import torch
 import torch.nn.functional as F
 
 from draftport.errors import DraftportError
+from draftport.model.fusion import rms_normalized, rotary_half_split
 from draftport.model.target import apply_logit_postprocessing
 
 # HF config model_type -> family. Gemma-3's multimodal wrapper (model_type "gemma3") is not here: only
@@ -56,8 +57,6 @@ FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text":
 # a fixed table cannot reproduce them.
 _DYNAMIC_ROPE = ("dynamic", "longrope")
 TARGET_PASSES = ("auto", "hf", "native")  # EngineConfig.target_pass, BatchConfig.target_pass, --target-pass
-
-
 SCOPES = ("layer", "whole")  # what enable_compile compiles: each layer's two halves, or the whole pass
 
 
@@ -81,7 +80,8 @@ def unsupported_reason(model) -> str | None:
     try:
         decoder = model.get_decoder()
         layers, head = decoder.layers, model.get_output_embeddings()
-        rotary, _norm, _embed = decoder.rotary_emb, decoder.norm, decoder.embed_tokens
+        rotary = decoder.rotary_emb
+        decoder.norm, decoder.embed_tokens  # noqa: B018 (present, or the AttributeError below says so)
     except AttributeError as exc:
         return f"the HF model's layout is not the one the native decoder reads ({exc})"
     if head is None or getattr(head, "bias", None) is not None:
@@ -121,16 +121,10 @@ def choose_target_pass(model, choice: str) -> str:
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, unit_offset: bool) -> torch.Tensor:
     """HF's two RMSNorm conventions, in their op order: Llama/Qwen w · (x̂ cast back), Gemma (x̂ · (1+w)) in
     fp32 then cast (w here is that fp32 1+w, precomputed)."""
-    xf = x.float()
-    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    y = rms_normalized(x, eps)
     if unit_offset:
         return (y * w).to(x.dtype)
     return w * y.to(x.dtype)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
 def attn_in(x, ln, wqkv, bqkv, qn, kn, cos, sin, *, hq: int, hkv: int, d: int, eps: float, unit_offset: bool):
@@ -143,8 +137,7 @@ def attn_in(x, ln, wqkv, bqkv, qn, kn, cos, sin, *, hq: int, hkv: int, d: int, e
     q, k, v = q.view(B, T, hq, d), k.view(B, T, hkv, d), v.view(B, T, hkv, d)
     if qn is not None:  # Qwen3 / Gemma-3: RMSNorm over each head's D before the rotation
         q, k = rms_norm(q, qn, eps, unit_offset), rms_norm(k, kn, eps, unit_offset)
-    c, s = cos[:, :, None, :], sin[:, :, None, :]
-    q, k = _rotate(q, c, s), _rotate(k, c, s)
+    q, k = rotary_half_split(q, k, cos, sin, unsqueeze_dim=2)  # q/k here [B, T, heads, D]
     return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
 

@@ -269,6 +269,11 @@ def ratio_sentence(ratio: dict | None, label=str) -> str:
 # The stages' bodies
 
 
+def unit_label(unit: str):
+    """How a size of this unit is written: 125k / 2M for tokens, the plain count for samples."""
+    return token_label if unit == "tokens" else str
+
+
 @dataclass(frozen=True)
 class Sizes:
     """The scaling curve's sizes: `values` ascending, in `unit` ("samples" or "tokens")."""
@@ -280,7 +285,7 @@ class Sizes:
         return self.unit == "tokens"
 
     def label(self, n: int) -> str:
-        return token_label(n) if self.tokens else str(n)
+        return unit_label(self.unit)(n)
 
 
 def parse_sizes(spec) -> Sizes:
@@ -412,15 +417,15 @@ def stage_capture(cfg: StudyConfig, d: str, layers: list[int], n: int | None) ->
                        console=Console(stderr=True))
 
 
-def stage_train(cfg: StudyConfig, d: str, store: str, n: int, init_from: str | None, steps: int | None) -> dict:
+def stage_train(cfg: StudyConfig, d: str, store: str, n: int, init_from: str | None, steps: int | None,
+                lr: float | None, lm_head_from_target: bool) -> dict:
     from draftport.train import loop as train
     from draftport.train.config import TrainConfig
 
-    lr = (cfg.transfer_lr or cfg.lr) if init_from else cfg.lr
     tcfg = make_config(TrainConfig, target=cfg.target_b, data=store, out=d, init_from=init_from,
                        max_samples=n, steps=steps, ttt_steps=cfg.ttt_steps, batch_size=cfg.batch_size,
                        max_len=cfg.max_len, device=cfg.device, dtype=cfg.dtype, seed=cfg.seed, lr=lr,
-                       lm_head_from_target=cfg.lm_head_from_target and not init_from,
+                       lm_head_from_target=lm_head_from_target,
                        chat_template=cfg.chat_template, trust_remote_code=cfg.trust_remote_code)
     train.main(tcfg)
     s = read_summary(d, "train")
@@ -479,7 +484,7 @@ def study_report(summary: dict, out: str) -> tuple[str, str]:
 
     rows, sizes = summary["rows"], summary["sizes"]
     unit = summary.get("size_unit", "samples")
-    label = token_label if unit == "tokens" else str
+    label = unit_label(unit)
     plugin = rows[0]
     best = best_row(rows)
     base = next((r["baseline_tok_s"] for r in rows if r.get("baseline_tok_s")), None)
@@ -655,7 +660,8 @@ def run_study(cfg: StudyConfig, console: Console | None = None) -> dict:
             tr = stages.run(f"train-{recipe}-{pt['label']}",
                             {**train_cfg, "n": n, "steps": steps, "lr": lr, "init_from": init and os.path.abspath(init),
                              **({"lm_head_from_target": True} if head else {})},
-                            lambda d, n=n, init=init, steps=steps: stage_train(cfg, d, store, n, init, steps),
+                            lambda d, n=n, init=init, steps=steps, lr=lr, head=head:
+                                stage_train(cfg, d, store, n, init, steps, lr, head),
                             f"train {recipe} on {pt['label']} {sizes.unit}"
                             + (f" ({n:,} samples, {pt['tokens']:,} tokens)" if sizes.tokens else ""))
             ev = stages.run(f"eval-{recipe}-{pt['label']}",
@@ -702,7 +708,7 @@ def render(summary: dict, console: Console) -> None:
         t.add_row(*("–" if r.get(k) is None else f(r[k]) for k, _, f in cols))
     console.print(t)
     if summary.get("data_ratio") is not None:
-        console.print(ratio_sentence(summary["data_ratio"], token_label if summary.get("size_unit") == "tokens" else str))
+        console.print(ratio_sentence(summary["data_ratio"], unit_label(summary.get("size_unit", "samples"))))
     console.print(f"report → {summary['report_html']}")
 
 

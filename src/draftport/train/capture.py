@@ -35,6 +35,7 @@ from draftport.check.layers import validate_aux_ids
 from draftport.errors import DraftportError, bad_input
 from draftport.safeio import atomic_write_json, read_json
 from draftport.data.store import MANIFEST, StoreWriter, bytes_per_token, clear_store, identity_mismatch
+from draftport.train.config import REGEN_ENGINES
 
 DEFAULT_MAX_LEN = 2048
 DEFAULT_BATCH = 8
@@ -46,8 +47,8 @@ REGEN_FILE = "regenerated.jsonl"
 TINY_TARGETS = {"tiny-llama": "llama", "tiny-qwen2": "qwen2", "tiny-gemma3": "gemma3"}
 # what must be equal to resume; "request" keys come straight from the flags (checked before the
 # target loads), the rest are derived from the target and the data
-REQUEST_KEYS = ("target", "data", "max_samples", "max_len", "chat_template", "regenerate", "samples_per_prompt",
-                "max_new_tokens", "temperature", "seed", "dtype", "regen_batch_size", "regen_engine")
+REGEN_KEYS = ("samples_per_prompt", "max_new_tokens", "temperature", "regen_batch_size", "regen_engine")  # its flags
+REQUEST_KEYS = ("target", "data", "max_samples", "max_len", "chat_template", "regenerate", "seed", "dtype") + REGEN_KEYS
 IDENTITY = REQUEST_KEYS + ("aux_layers", "hidden_size", "shard_tokens", "data_sha256", "expected_samples")
 
 
@@ -315,8 +316,8 @@ def run_capture(cfg: CaptureConfig, target=None, console: Console | None = None)
         raise DraftportError(f"--max-len must be at least 2, got {cfg.max_len}")
     if any(b is not None and b < 1 for b in (cfg.batch_size, cfg.regen_batch_size)) or cfg.samples_per_prompt < 1:
         raise DraftportError("--batch-size, --regen-batch-size and --samples-per-prompt must be at least 1")
-    if cfg.regen_engine not in ("batch", "hf"):
-        raise DraftportError(f"--regen-engine {cfg.regen_engine!r}: expected batch or hf")
+    if cfg.regen_engine not in REGEN_ENGINES:
+        raise DraftportError(f"--regen-engine {cfg.regen_engine!r}: expected one of {', '.join(REGEN_ENGINES)}")
     if cfg.shard_tokens is not None and cfg.shard_tokens < 1:
         raise DraftportError(f"--shard-tokens must be at least 1, got {cfg.shard_tokens}")
     out = cfg.out

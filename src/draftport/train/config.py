@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from draftport.errors import DraftportError
 
 
+REGEN_ENGINES = ("batch", "hf")  # regeneration: the static-cache batch engine, or HF generate
 TOKEN_SCALE = {"k": 10 ** 3, "m": 10 ** 6, "g": 10 ** 9}  # token-count suffixes (either case): powers of 1000
 
 
@@ -109,7 +110,7 @@ class TrainConfig:
             raise DraftportError(f"--batch-size, --ttt-steps and --max-nonfinite-steps must be at least 1 "
                                  f"(got {r.batch_size}, {r.ttt_steps}, {r.max_nonfinite_steps})")
         if self.regenerate and ((self.regen_batch_size is not None and self.regen_batch_size < 1)
-                                or self.samples_per_prompt < 1 or self.regen_engine not in ("batch", "hf")):
+                                or self.samples_per_prompt < 1 or self.regen_engine not in REGEN_ENGINES):
             raise DraftportError(f"regeneration needs --regen-batch-size and --samples-per-prompt >= 1 and "
                                  f"--regen-engine batch|hf (got {self.regen_batch_size}, {self.samples_per_prompt}, "
                                  f"{self.regen_engine!r})")

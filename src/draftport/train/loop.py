@@ -188,7 +188,8 @@ def request_config(cfg: TrainConfig, device: torch.device) -> dict:
     skip = {"out", "restart", "json", "val_every", "save_every", "keep_last", "save_at_tokens", "log_every",
             "val_max_samples", "max_nonfinite_steps", "compile"}  # compile: the same weights either way
     if not cfg.regenerate:  # regeneration settings decide nothing then (and runs made before them resume)
-        skip |= {"regenerate", "samples_per_prompt", "max_new_tokens", "temperature", "regen_batch_size", "regen_engine"}
+        from draftport.train.capture import REGEN_KEYS
+        skip |= {"regenerate", *REGEN_KEYS}
     d = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name not in skip}
     for key in ("target", "data", "init_from"):
         if d[key] and os.path.exists(d[key]):
@@ -289,14 +290,13 @@ def regenerated_data(cfg: TrainConfig, out: str, request: dict, target, info, co
     if not cfg.regenerate:
         return cfg
     from draftport.data.conversations import load_conversations
-    from draftport.train.capture import DEFAULT_BATCH, DEFAULT_MAX_LEN, REGEN_FILE, regenerate_into
+    from draftport.train.capture import DEFAULT_BATCH, DEFAULT_MAX_LEN, REGEN_FILE, REQUEST_KEYS, regenerate_into
 
     if Samples.is_store(cfg.data):
         raise bad_input(cfg.data, "--regenerate needs conversations or prompts, not a capture store")
     path = os.path.join(out, REGEN_FILE)
     if info.is_main:
-        keys = ("target", "data", "max_samples", "max_len", "chat_template", "samples_per_prompt", "max_new_tokens",
-                "temperature", "seed", "dtype", "regen_batch_size", "regen_engine")
+        keys = tuple(k for k in REQUEST_KEYS if k != "regenerate")  # capture's identity of regenerated text
         regen_request = {k: request.get(k) for k in keys}
         regen_request["max_len"] = cfg.max_len or DEFAULT_MAX_LEN
         regen_request["regen_batch_size"] = cfg.regen_batch_size or DEFAULT_BATCH

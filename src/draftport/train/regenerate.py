@@ -17,9 +17,9 @@ from typing import Sequence
 from draftport.data.chat import ChatTemplate, encode_prompt, resolve_chat_template, stop_token_ids
 from draftport.data.conversations import Conversation
 from draftport.errors import DraftportError
+from draftport.train.config import REGEN_ENGINES
 
 REGEN_MAX_NEW_TOKENS = 256  # regeneration: tokens per response unless told otherwise
-REGEN_ENGINES = ("batch", "hf")
 BATCH_MAX_LEN = 2048  # the batch engine's cache slots a row when no max_len is given
 
 
