@@ -365,34 +365,41 @@ def section_target_pass(target, drafter, prompts, args, hbm: float, stop_ids=())
 
 
 def section_profile(target, drafter, args) -> dict:
-    """Kernel tables (torch.profiler, CUDA time) of eager 1-token and 8-token target passes: where a
-    step's time goes, to weigh against the HBM floor before changing anything."""
+    """Kernel tables (torch.profiler, CUDA time) of eager 1-token and 8-token target passes, one per pass in
+    --target-pass: where a step's time goes under each (the before and after of a change), to weigh against
+    the HBM floor before changing anything. Eager = no CUDA graph, so each kernel shows; a compiled pass runs
+    its compiled region (its fused kernels are what the table counts)."""
     from torch.profiler import ProfilerActivity, profile
 
     from draftport.decode.engine import EngineConfig, SpecEngine
 
-    eng = SpecEngine(target, None, EngineConfig(max_len=1024, use_cuda_graphs=False, **pass_config(first_pass(args))))
-    dev = eng.device
-    n = torch.tensor(256, dtype=torch.long, device=dev)
-    ar = torch.arange(eng.S, device=dev)
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
     tables, out = [], {}
-    for T in (1, 8):
-        ids = torch.zeros(T, dtype=torch.long, device=dev)
-        tril = torch.ones(T, T, dtype=torch.bool, device=dev).tril()
-        for _ in range(3):
-            eng.target_pass(ids, n, ar[:T], tril, graphed=False)
-        with profile(activities=acts) as prof:
-            for _ in range(10):
+    for tp in args.target_passes:
+        eng = SpecEngine(target, None, EngineConfig(max_len=1024, use_cuda_graphs=False, **pass_config(tp)))
+        dev = eng.device
+        n = torch.tensor(256, dtype=torch.long, device=dev)
+        ar = torch.arange(eng.S, device=dev)
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+        row = out[tp] = {}
+        for T in (1, 8):
+            ids = torch.zeros(T, dtype=torch.long, device=dev)
+            tril = torch.ones(T, T, dtype=torch.bool, device=dev).tril()
+            for _ in range(3):
                 eng.target_pass(ids, n, ar[:T], tril, graphed=False)
-            if dev.type == "cuda":
-                torch.cuda.synchronize()
-        key = "self_cuda_time_total" if dev.type == "cuda" else "self_cpu_time_total"
-        tables.append(f"## {T}-token target pass, 10 calls, eager\n" +
-                      prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60))
-        evs = prof.key_averages()
-        out[f"kernels_per_pass_{T}"] = sum(e.count for e in evs if getattr(e, "device_type", None) is not None
-                                           and str(e.device_type).endswith("CUDA")) / 10
+            with profile(activities=acts) as prof:
+                for _ in range(10):
+                    eng.target_pass(ids, n, ar[:T], tril, graphed=False)
+                if dev.type == "cuda":
+                    torch.cuda.synchronize()
+            key = "self_cuda_time_total" if dev.type == "cuda" else "self_cpu_time_total"
+            evs = prof.key_averages()
+            gpu = [e for e in evs if str(getattr(e, "device_type", "")).endswith("CUDA")]
+            row[f"kernels_per_pass_{T}"] = sum(e.count for e in gpu) / 10
+            # kernel time alone (no launch gaps): against the graphed step it says how launch-bound a pass is
+            row[f"kernel_ms_per_pass_{T}"] = sum(e.self_device_time_total for e in gpu) / 10 / 1e3
+            tables.append(f"## {tp}: {T}-token target pass, 10 calls, eager\n" +
+                          evs.table(sort_by=key, row_limit=25, max_name_column_width=60))
+        del eng
     with open(args.profile, "w") as f:
         f.write("\n\n".join(tables))
     return out
@@ -507,6 +514,10 @@ def section_llama8b(args) -> dict:
             **{**vars(args), "max_new_tokens": 64}), args.hbm_bytes_per_s)
         out["engine"] = section_engine(target, drafter, prompts, argparse.Namespace(**{**vars(args),
                                                                                         "max_new_tokens": 64}))
+        if args.profile:  # the same tables for this shape, beside the first shape's file
+            root, ext = os.path.splitext(args.profile)
+            out["profile"] = section_profile(target, drafter, argparse.Namespace(
+                **{**vars(args), "profile": f"{root}-llama8b{ext or '.txt'}"}))
         out["hf_dynamic_tok_s"] = hf_generate_rate(target, prompts[0], 32, [], 0.0, 1.0, 0)[0]
         out["note"] = "random weights: timings only (τ ≈ 1 with a random drafter)"
         return out
