@@ -14,26 +14,34 @@
 #   data         $OUT/data/{heldout,a,study}.jsonl: the prompts split, disjoint (first HELDOUT held out, the next
 #                A_PROMPTS for A's drafter, the next STUDY_PROMPTS for the study on B)                        ~0 s
 #   chat         chat target A, $OUT/chat-a (examples/make_chat_target.py; skipped when CHAT_A is given)     ~180 s
+#                With the inputs below (make_study_data's command) A trains on the recipe's very examples
+#                (data_sha256 9a5ca02c…, make_chat_target's --max-chars 3000 undoing the longer cut), same seed and
+#                steps: a rebuild of BENCHMARKS.md's chat target, so the port stage's eval on A (the floor on
+#                MT-bench) is also issue 21's reproducibility check (floor 1.48 there, within ±0.05 asked).
 #   drafter-a    A's drafter by the recipe: `train --regenerate` on a.jsonl (A_PROMPTS × SAMPLES answers, then
 #                A_STEPS × A_BATCH online; skipped when DRAFTER_A is given)          ~90 s regen + ~200 s train = ~300 s
-#   derivatives  $OUT/derivatives/B-{code,chat,long} (examples/make_derivatives.py)                        ~150 s
+#   derivatives  $OUT/derivatives/B-{code,chat} (examples/make_derivatives.py; DERIVATIVES=code,chat,long adds
+#                B-long, ~50 s more and ~60 s more in port)                                                  ~100 s
 #   port         per B: `draftport probe` (PROBE_SAMPLES of PROBE_DATA) and `draftport eval --hybrid` of A's drafter
-#                on B; the same eval on A (the τ it plugs in from)                          3 × 30 + 4 × 28 = ~200 s
+#                on B; the same eval on A (the τ it plugs in from)                          2 × 30 + 3 × 28 = ~145 s
 #   study-small  `draftport study` on the most drifted B (lowest top-layer cosine; STUDY_B overrides) at the smallest
-#                and the second-largest size (default 125k,500k): B regenerates the study prompts, capture, check,
-#                probe, plug-in eval, transfer and scratch trained and evaluated              ~110 + 60 + 170 + 120 = ~460 s
-#   study        the same study at all STUDY_SIZES (default 125k,250k,500k,2M: 16×, 1/16 … 1/4 and the whole):
-#                every stage of study-small reused, the other sizes added                                ~480 s
+#                and the second-largest size (default 62.5k,250k): B regenerates the study prompts, capture, check,
+#                probe, plug-in eval, transfer and scratch trained and evaluated               ~50 + 30 + 170 + 100 = ~350 s
+#   study        the same study at all STUDY_SIZES (default 62.5k,125k,250k,1M: 16×, 1/16 … 1/4 and the whole):
+#                every stage of study-small reused, the other sizes added                                ~270 s
 #   table        examples/port_table.py → $OUT/port.md, $OUT/port.json                                    ~2 s
-# Whole chain ≈ 1,770 s ≈ 29.5 min of H200 time, each stage one call of ≤ 10 minutes. To gain time: DRAFTER_A and
-# CHAT_A from an earlier call's machine, DERIVATIVES=code,chat, or a smaller A_STEPS.
+# Whole chain ≈ 1,345 s ≈ 22.5 min of H200 time, which leaves a 30-minute session room for a machine's start and
+# for carrying the GGUF in; each stage fits one call of ≤ 10 minutes. Where a session has more time:
+# DERIVATIVES=code,chat,long, STUDY_PROMPTS=5000 STUDY_SIZES=125k,250k,500k,2M (≈ 29.5 min in all); to gain
+# time: DRAFTER_A and CHAT_A from an earlier call's machine, or a smaller A_STEPS.
 # Pick stages with STAGES (or the first argument), comma-separated; default all. DRY_RUN=1 prints the commands.
 #
 # Inputs (nothing is downloaded):
 #   DRAFTPORT_GGUF       the base target: a .gguf file, an HF dir or gemma-3-270m (default gemma-3-270m)
 #   DRAFTPORT_PROMPTS    prompts JSONL, ≥ HELDOUT + A_PROMPTS + STUDY_PROMPTS lines (make_study_data.py, below)
-#   DRAFTPORT_CHAT_DATA  chat conversations: A's fine-tuning (the first CHAT_CONVS), then B-chat's and B-long's
-#                        slices of 1,000 each (so ≥ CHAT_CONVS + 2,000 lines, ≥ 1,536 tokens long for B-long)
+#   DRAFTPORT_CHAT_DATA  chat conversations: A's fine-tuning (the first CHAT_CONVS usable at CHAT_MAX_CHARS: 10,958
+#                        lines of make_study_data's file below), then B-chat's and B-long's slices of 1,000 each
+#                        (13,011 lines: every ShareGPT conversation from 4,000 on; ≥ 1,536 tokens long for B-long)
 #   DRAFTPORT_CODE       code conversations for B-code (conversations 100–3,999: never the chat target's, never
 #                        a study prompt; ShareGPT past the prompts has almost none)
 #   CHAT_A, DRAFTER_A    an existing chat target / A's drafter (skip those stages)
@@ -41,15 +49,16 @@
 #                        needed when DRAFTER_A comes from elsewhere)
 #   STUDY_B              the derivative the study runs on (default: the most drifted by the probe)
 #   OUT (default ./gpu-study), PYTHON (default python); DRAFTPORT_CACHE defaults to $OUT/cache
-# Sizes: HELDOUT=100 A_PROMPTS=6000 STUDY_PROMPTS=5000 SAMPLES=2 TEMPERATURE=0.8 REGEN_NEW=256 REGEN_BATCH=512
+# Sizes: HELDOUT=100 A_PROMPTS=6000 STUDY_PROMPTS=2500 SAMPLES=2 TEMPERATURE=0.8 REGEN_NEW=256 REGEN_BATCH=512
 #   MAX_LEN=768 A_STEPS=400 A_BATCH=64 A_LR=1e-3 TTT=4 CHAT_STEPS=700 CHAT_BATCH=16 CHAT_CONVS=10520 CHAT_MAX_LEN=512
-#   DERIVATIVES=code,chat,long PROBE_SAMPLES=64 EVAL_SAMPLES=10 EVAL_NEW_TOKENS=200 DEPTH=3
-#   STUDY_SIZES=125k,250k,500k,2M STUDY_SMALL=125k,500k STUDY_EPOCHS=2 STUDY_BATCH=32 STUDY_LR=1e-3
+#   CHAT_MAX_CHARS=3000 CHAT_SKIP=auto
+#   DERIVATIVES=code,chat PROBE_SAMPLES=64 EVAL_SAMPLES=10 EVAL_NEW_TOKENS=200 DEPTH=3
+#   STUDY_SIZES=62.5k,125k,250k,1M STUDY_SMALL=62.5k,250k STUDY_EPOCHS=2 STUDY_BATCH=32 STUDY_LR=1e-3
 #   TRANSFER_LR=5e-4 (half the scratch lr: train's own ratio for a warm start, 5e-5 vs 1e-4) DEVICE=cuda
 #   DERIVATIVE_ARGS="" (extra make_derivatives.py flags, e.g. "--steps 2 --batch-size 2 --max-len 64" for a CPU smoke)
 #
 #   python examples/make_study_data.py --out-dir data --prompts 11100 --code 1500 --code-skip 100 --code-until 4000 \
-#       --chat 12600 --chat-skip 4000 --max-chat-chars 6000     # 11,100 prompts, 1,350 code, 12,600 chat; 17 MB as .tgz
+#       --chat 13011 --chat-skip 4000 --max-chat-chars 6000     # 11,100 prompts, 1,350 code, 13,011 chat; 18 MB as .tgz
 #   DRAFTPORT_GGUF=gemma.gguf DRAFTPORT_PROMPTS=data/prompts.jsonl DRAFTPORT_CHAT_DATA=data/chat.jsonl \
 #       DRAFTPORT_CODE=data/code.jsonl OUT=study bash examples/gpu_study.sh data,chat   # then drafter-a, …
 set -euo pipefail
@@ -58,13 +67,15 @@ OUT=${OUT:-./gpu-study}
 export DRAFTPORT_CACHE=${DRAFTPORT_CACHE:-$OUT/cache}
 PY=${PYTHON:-python}
 BASE=${DRAFTPORT_GGUF:-gemma-3-270m}
-HELDOUT=${HELDOUT:-100}; A_PROMPTS=${A_PROMPTS:-6000}; STUDY_PROMPTS=${STUDY_PROMPTS:-5000}
+HELDOUT=${HELDOUT:-100}; A_PROMPTS=${A_PROMPTS:-6000}; STUDY_PROMPTS=${STUDY_PROMPTS:-2500}  # 5,000 answers ≈ 1.5 M tokens ≥ the 1M size
 SAMPLES=${SAMPLES:-2}; TEMPERATURE=${TEMPERATURE:-0.8}; REGEN_NEW=${REGEN_NEW:-256}; REGEN_BATCH=${REGEN_BATCH:-512}
 MAX_LEN=${MAX_LEN:-768}; A_STEPS=${A_STEPS:-400}; A_BATCH=${A_BATCH:-64}; A_LR=${A_LR:-1e-3}; TTT=${TTT:-4}
 CHAT_STEPS=${CHAT_STEPS:-700}; CHAT_BATCH=${CHAT_BATCH:-16}; CHAT_CONVS=${CHAT_CONVS:-10520}; CHAT_MAX_LEN=${CHAT_MAX_LEN:-512}
-DERIVATIVES=${DERIVATIVES:-code,chat,long}; PROBE_SAMPLES=${PROBE_SAMPLES:-64}
+CHAT_MAX_CHARS=${CHAT_MAX_CHARS:-3000}  # the recipe's cut: A's examples are the recipe's (make_chat_target --max-chars)
+CHAT_SKIP=${CHAT_SKIP:-auto}            # the derivatives' chat slices start after every conversation A read
+DERIVATIVES=${DERIVATIVES:-code,chat}; PROBE_SAMPLES=${PROBE_SAMPLES:-64}
 EVAL_SAMPLES=${EVAL_SAMPLES:-10}; EVAL_NEW_TOKENS=${EVAL_NEW_TOKENS:-200}; DEPTH=${DEPTH:-3}
-STUDY_SIZES=${STUDY_SIZES:-125k,250k,500k,2M}; STUDY_SMALL=${STUDY_SMALL:-125k,500k}; STUDY_EPOCHS=${STUDY_EPOCHS:-2}
+STUDY_SIZES=${STUDY_SIZES:-62.5k,125k,250k,1M}; STUDY_SMALL=${STUDY_SMALL:-62.5k,250k}; STUDY_EPOCHS=${STUDY_EPOCHS:-2}
 STUDY_BATCH=${STUDY_BATCH:-32}; STUDY_LR=${STUDY_LR:-1e-3}; TRANSFER_LR=${TRANSFER_LR:-5e-4}; DEVICE=${DEVICE:-cuda}
 A=${CHAT_A:-$OUT/chat-a}
 DRAFTER=${DRAFTER_A:-$OUT/drafter-a/final}
@@ -113,7 +124,8 @@ if want chat; then
   elif [ -f "$A/make_chat_target.json" ]; then echo "gpu_study: chat: $A exists, skipped"; else
     : "${DRAFTPORT_CHAT_DATA:?set DRAFTPORT_CHAT_DATA to the chat fine-tuning conversations}"
     run "$PY" examples/make_chat_target.py --target-a "$BASE" --data "$DRAFTPORT_CHAT_DATA" --out "$A" \
-        --steps "$CHAT_STEPS" --batch-size "$CHAT_BATCH" --max-len "$CHAT_MAX_LEN" --num-convs "$CHAT_CONVS" --device "$DEVICE"
+        --steps "$CHAT_STEPS" --batch-size "$CHAT_BATCH" --max-len "$CHAT_MAX_LEN" --max-chars "$CHAT_MAX_CHARS" \
+        --num-convs "$CHAT_CONVS" --device "$DEVICE"
   fi
   lap "chat target A"
 fi
@@ -139,7 +151,7 @@ if want derivatives; then
     : "${DRAFTPORT_CODE:?set DRAFTPORT_CODE to the code conversations (B-code)}"
     need "$A" "the chat stage, or CHAT_A"
     run "$PY" examples/make_derivatives.py --target-a "$A" --chat-data "$DRAFTPORT_CHAT_DATA" \
-        --code-data "$DRAFTPORT_CODE" --chat-skip "$CHAT_CONVS" --only "${todo#,}" --device "$DEVICE" \
+        --code-data "$DRAFTPORT_CODE" --chat-skip "$CHAT_SKIP" --only "${todo#,}" --device "$DEVICE" \
         --out "$OUT/derivatives" ${DERIVATIVE_ARGS:-}
   fi
   lap "derivatives"

@@ -67,21 +67,25 @@ def jinja_chat_template(t) -> str:
             + f"{{%- if add_generation_prompt -%}}{{{{- {lit(t.assistant_header)} -}}}}{{%- endif -%}}")
 
 
-def pick_conversations(data: str, skip: int, num: int, max_chars: int, keep=None) -> list:
+def pick_conversations(data: str, skip: int, num: int, max_chars: int, keep=None) -> tuple[list, int]:
     """The first `num` conversations at or after conversation `skip` (and, given `keep`, for which keep(conv)
-    holds), each cut to max_chars of text."""
+    holds), each cut to max_chars of text; and the index of the first conversation not read (where a later
+    slice of the same file must start so as not to share any: skipped ones count as read)."""
     from draftport.data.conversations import Conversation, iter_conversations
 
-    out = []
+    out, end = [], skip
     for i, conv in enumerate(iter_conversations(data)):
-        if i < skip or (keep is not None and not keep(conv)):
+        if i < skip:
+            continue
+        end = i + 1
+        if keep is not None and not keep(conv):
             continue
         msgs = cut_messages(conv.messages, max_chars)
         if any(m["role"] == "assistant" for m in msgs):
             out.append(Conversation(messages=msgs, id=conv.id))
             if len(out) >= num:
                 break
-    return out
+    return out, end
 
 
 def end_of_turn_id(tokenizer, template, source: str) -> int:
@@ -110,7 +114,7 @@ def make_chat_target(args) -> dict:
     template = CHAT_TEMPLATES[TEMPLATE]
     eot = end_of_turn_id(tok, template, args.target_a)
     num = args.num_convs if args.num_convs is not None else args.steps * args.batch_size  # one epoch by default
-    convs = pick_conversations(args.data, args.skip, num, max_chars=16 * args.max_len)
+    convs, end = pick_conversations(args.data, args.skip, num, max_chars=args.max_chars)
     if not convs:
         raise DraftportError(f"no conversation with an assistant turn at or after conversation {args.skip}", args.data)
     ex = tokenize_examples(tok, convs, template, args.max_len)
@@ -137,9 +141,10 @@ def make_chat_target(args) -> dict:
     sha = save_target(model, tok, args.out)
     record = {
         "recipe": {"target_a": args.target_a, "data": args.data, "skip": args.skip, "num_convs": len(convs),
-                   "max_len": args.max_len, "chat_template": TEMPLATE,
+                   "max_len": args.max_len, "max_chars": args.max_chars, "chat_template": TEMPLATE,
                    "tokenizer_chat_template": not args.no_tokenizer_template, "device": device,
                    **{k: v for k, v in asdict(cfg).items() if k not in ("device", "log_every", "tag")}},
+        "next_conversation": end,  # make_derivatives' chat slices start here (--chat-skip auto)
         "examples": len(ex.pairs), "tokens": ex.num_tokens, "trained_tokens": ex.num_trained_tokens,
         "data_sha256": ex.sha256, "eos_token_ids": gen.eos_token_id,
         **loss_summary(losses), "losses": [round(x, 4) for x in losses],
@@ -164,12 +169,19 @@ def main(argv=None) -> int:
     p.add_argument("--lr", type=float, default=5e-5)
     p.add_argument("--skip", type=int, default=0, help="start at conversation N (leave the first N to others)")
     p.add_argument("--num-convs", type=int, default=None, help="conversations to train on (default steps × batch)")
+    # Why 3000: the cut decides which conversations count as usable (a first turn cut before any model turn drops
+    # the conversation and the next one takes its place), so the same cut on a whole file and on one that
+    # make_study_data already cut (its --max-chat-chars, 3000 by default and in the recipe's run, 6000 for the
+    # study's longer derivative) picks the same conversations, and the same examples (data_sha256). 3000
+    # characters hold the 512 tokens of --max-len's default unless a token averages over 5.9 characters.
+    p.add_argument("--max-chars", type=int, default=3000,
+                   help="text per conversation kept before tokenizing (default 3000, the recipe's cut)")
     p.add_argument("--no-tokenizer-template", action="store_true",
                    help="leave the tokenizer without a chat template (then every verb needs --chat-template gemma)")
     p.add_argument("--device", default=None, choices=["cpu", "cuda"])
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    for name in ("steps", "batch_size", "max_len"):
+    for name in ("steps", "batch_size", "max_len", "max_chars"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
     from draftport.errors import DraftportError

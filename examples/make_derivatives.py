@@ -8,10 +8,12 @@ whether A's drafter still works on a model that moved a little or a lot:
     code   code conversations (make_target_b.is_code; make_study_data.py's code.jsonl: 1,350 of ShareGPT's
            conversations 100–3,999, which A's fine-tuning skips), 400 steps × 16 × ≤ 512 tokens at lr 1e-4 (twice
            A's lr, ≈ 4.7 epochs): the most drifted — a distribution A saw little of, trained hard. H200 ≈ 60 s of training (A's 700 × 16 × 512 took 108 s).
-    chat   another slice of A's own kind of data (the 1,000 chat conversations after the --chat-skip that A was
-           tuned on), 60 steps × 16 × ≤ 512 at lr 2e-5: close to A. H200 ≈ 10 s of training.
-    long   the next 1,000 chat conversations at up to 1,536 tokens a sequence (A saw ≤ 512), 120 steps × 8 at
-           lr 5e-5: the same distribution at lengths A never trained on. H200 ≈ 30 s of training.
+    chat   another slice of A's own kind of data (the 1,000 chat conversations after every one A's fine-tuning
+           read: --chat-skip auto, from A's make_chat_target.json), 60 steps × 16 × ≤ 512 at lr 2e-5: close to A.
+           H200 ≈ 10 s of training.
+    long   the next 1,000 chat conversations (after those B-chat read) at up to 1,536 tokens a sequence (A saw
+           ≤ 512), 120 steps × 8 at lr 5e-5: the same distribution at lengths A never trained on. H200 ≈ 30 s of
+           training.
 
 Each adds ≈ 15 s of loading, tokenizing and saving: all three ≈ 2.5 minutes, each well under 3. Seeded, with a
 fixed data slice and order per derivative. Each lands in OUT/B-<name>/ (an HF directory every draftport verb
@@ -55,7 +57,7 @@ class Derivative:
     max_len: int            # tokens per sequence at most
     lr: float
     num_convs: int          # conversations in its slice
-    slice: int = 0          # chat mix: the chat mixes take consecutive slices of num_convs after --chat-skip
+    slice: int = 0          # chat mix: the chat mixes take consecutive slices (of num_convs usable ones) after --chat-skip
     why: str = ""
 
 
@@ -69,10 +71,27 @@ DERIVATIVES = {d.name: d for d in (
 )}
 
 
+def with_overrides(d: Derivative, args) -> Derivative:
+    """The derivative's recipe with the command line's --steps / --batch-size / --max-len / --num-convs."""
+    over = {k: getattr(args, k) for k in ("steps", "batch_size", "max_len", "num_convs") if getattr(args, k)}
+    return dataclasses.replace(d, **over)
+
+
+def slice_start(d: Derivative, args) -> int:
+    """Where a chat mix's slice starts: after --chat-skip, past every conversation the earlier slices read (a
+    slice that skipped unusable conversations read more than its num_convs lines; slices never share one)."""
+    start = args.chat_skip
+    for prev in sorted((x for x in DERIVATIVES.values() if x.mix == "chat" and x.slice < d.slice),
+                       key=lambda x: x.slice):
+        prev = with_overrides(prev, args)
+        _, start = pick_conversations(args.chat_data, start, prev.num_convs, max_chars=16 * prev.max_len)
+    return start
+
+
 def recipe_of(d: Derivative, args) -> dict:
     """What the derivative is made from: the record a rerun compares before skipping it."""
     data = args.code_data if d.mix == "code" else args.chat_data
-    skip = 0 if d.mix == "code" else args.chat_skip + d.slice * d.num_convs
+    skip = 0 if d.mix == "code" else slice_start(d, args)
     data = os.path.abspath(data) if os.path.exists(data) else data  # a file, or a named source (sharegpt)
     return {**asdict(d), "target_a": os.path.abspath(args.target_a), "data": data, "skip": skip,
             "chat_template": args.chat_template, "seed": args.seed}
@@ -88,7 +107,8 @@ def make_one(d: Derivative, args, out: str, device: str) -> dict:
     t0 = time.perf_counter()
     recipe = recipe_of(d, args)
     keep = is_code if d.mix == "code" else None
-    convs = pick_conversations(recipe["data"], recipe["skip"], d.num_convs, max_chars=16 * d.max_len, keep=keep)
+    convs, end = pick_conversations(recipe["data"], recipe["skip"], d.num_convs, max_chars=16 * d.max_len,
+                                    keep=keep)
     if not convs:
         raise DraftportError(f"B-{d.name}: no {'code ' if keep else ''}conversation with an assistant turn at or after "
                              f"conversation {recipe['skip']}", recipe["data"])
@@ -109,7 +129,7 @@ def make_one(d: Derivative, args, out: str, device: str) -> dict:
     # save_pretrained writes A's generation_config (its <end_of_turn> eos) and A's tokenizer (its chat template)
     sha = save_target(model, tok, out)
     a_weights = os.path.join(args.target_a, "model.safetensors")
-    record = {"recipe": recipe, "examples": len(ex.pairs), "tokens": ex.num_tokens,
+    record = {"recipe": recipe, "next_conversation": end, "examples": len(ex.pairs), "tokens": ex.num_tokens,
               "trained_tokens": ex.num_trained_tokens, "data_sha256": ex.sha256,
               "target_a_weights_sha256": sha256_file(a_weights) if os.path.isfile(a_weights) else None,
               "tokenizer_chat_template": bool(getattr(tok, "chat_template", None)),
@@ -124,6 +144,33 @@ def make_one(d: Derivative, args, out: str, device: str) -> dict:
     return record
 
 
+def resolve_chat_skip(value: str, target_a: str) -> int:
+    """--chat-skip: a number, or "auto": the first conversation A's fine-tuning did not read (its record's
+    next_conversation). A conversation A skipped (no model turn within its cut) is still A's, so A may have read
+    past its --num-convs lines: the chat slices start after all of them, sharing none with A."""
+    from draftport.errors import DraftportError
+
+    if value != "auto":
+        try:
+            n = int(value)
+        except ValueError:
+            raise DraftportError(f"--chat-skip: expected a number or auto (got {value!r})") from None
+        if n < 0:
+            raise DraftportError(f"--chat-skip: must be at least 0 (got {n})")
+        return n
+    path = os.path.join(target_a, "make_chat_target.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            n = json.load(f).get("next_conversation")
+    except (OSError, ValueError) as exc:
+        raise DraftportError(f"--chat-skip auto reads A's record ({exc.__class__.__name__}); give a number",
+                             path) from None
+    if not isinstance(n, int):
+        raise DraftportError("--chat-skip auto: A's record has no next_conversation (made before it was recorded); "
+                             "give a number", path)
+    return n
+
+
 def make_derivatives(args) -> dict:
     import torch
 
@@ -133,11 +180,12 @@ def make_derivatives(args) -> dict:
         raise DraftportError("--target-a: expected the chat target's HF directory (make_chat_target.py --out)",
                              args.target_a)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if any(DERIVATIVES[n].mix == "chat" for n in args.only):
+        args.chat_skip = resolve_chat_skip(args.chat_skip, args.target_a)
     records = {}
     for name in args.only:
         d = DERIVATIVES[name]
-        over = {k: getattr(args, k) for k in ("steps", "batch_size", "max_len", "num_convs") if getattr(args, k)}
-        d = dataclasses.replace(d, **over)
+        d = with_overrides(d, args)
         if (d.mix == "code" and not args.code_data) or (d.mix == "chat" and not args.chat_data):
             raise DraftportError(f"B-{name} needs --{d.mix}-data")
         out = os.path.join(args.out, f"B-{name}")
@@ -163,8 +211,9 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True, help="directory for B-<name>/ (HF layout each)")
     p.add_argument("--only", default=",".join(DERIVATIVES),
                    help=f"derivatives to make, comma-separated (default all: {','.join(DERIVATIVES)})")
-    p.add_argument("--chat-skip", type=int, default=10520,
-                   help="the chat mixes start after this many conversations of --chat-data (those A was tuned on)")
+    p.add_argument("--chat-skip", default="auto",
+                   help="the chat mixes start at this conversation of --chat-data; auto (default): after every one "
+                        "A's fine-tuning read (its make_chat_target.json)")
     p.add_argument("--chat-template", default="gemma", help="the template the fine-tuning renders (A's)")
     p.add_argument("--steps", type=int, default=None, help="override every recipe's steps (smoke runs)")
     p.add_argument("--batch-size", type=int, default=None, help="override every recipe's batch size")

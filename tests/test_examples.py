@@ -131,6 +131,36 @@ def test_make_chat_target_tiny(examples_path, tiny_gemma_dir, convs_file, tmp_pa
     assert json.loads((again / "make_chat_target.json").read_text())["weights_sha256"] == rec["weights_sha256"]
 
 
+def test_chat_target_examples_do_not_depend_on_an_earlier_cut(examples_path, tmp_path):
+    """The recipe's chat target and the study's chat A read one data slice cut differently by make_study_data
+    (--max-chat-chars 3000 and 6000): --max-chars picks the same conversations from both and from the uncut
+    file (a conversation whose first turn is cut before any model turn is skipped, the next one taking its
+    place), so data_sha256 matches and the study's A is a rebuild of the recipe's target."""
+    from draftport.data.chat import CHAT_TEMPLATES
+    from make_chat_target import pick_conversations
+    from sft import cut_messages, tokenize_examples
+
+    tok = gemma_tokenizer()
+    long_q = "why " * 1000  # 4,000 characters: cut at 3,000 it has no model turn left, at 6,000 it has one
+    convs = [{"messages": [{"role": "user", "content": f"question {i}: " + (long_q if i % 3 == 0 else "hi")},
+                           {"role": "assistant", "content": f"answer {i} " + "words " * 30}]} for i in range(12)]
+    files = {}
+    for cut in (None, 3000, 6000):
+        path = files[cut] = tmp_path / f"convs-{cut}.jsonl"
+        rows = convs if cut is None else [{"messages": cut_messages(c["messages"], cut)} for c in convs]
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    shas = {}
+    for cut, path in files.items():
+        picked, _ = pick_conversations(str(path), 0, 6, max_chars=3000)
+        assert [c.messages[0]["content"].split(":")[0] for c in picked] == [f"question {i}" for i in
+                                                                           (1, 2, 4, 5, 7, 8)]
+        shas[cut] = tokenize_examples(tok, picked, CHAT_TEMPLATES["gemma"], 64).sha256
+    assert len(set(shas.values())) == 1
+    # the 6000 cut read without the same --max-chars would pick other conversations: the check has teeth
+    other, _ = pick_conversations(str(files[6000]), 0, 6, max_chars=6000)
+    assert tokenize_examples(tok, other, CHAT_TEMPLATES["gemma"], 64).sha256 != shas[None]
+
+
 def test_make_chat_target_bad_input(examples_path, tiny_gemma_dir, tmp_path, capsys):
     from draftport.model.target import tiny_target
     from make_chat_target import main
@@ -316,6 +346,37 @@ def test_gpu_recipe_dry_run_commands_parse(tmp_path):
     assert dry_run(tmp_path, "curve", script="gpu_recipe.sh", **env)[0] == cmds[4]
 
 
+def test_derivative_chat_slices_start_after_what_was_read(examples_path, tmp_path):
+    """B-chat starts after every conversation A's fine-tuning read (--chat-skip auto: A's record), B-long after
+    every one B-chat read: a conversation skipped as unusable (no model turn within the cut) still counts as
+    read, so no slice shares a conversation with another."""
+    import argparse
+
+    from draftport.errors import DraftportError
+    from make_chat_target import pick_conversations
+    from make_derivatives import DERIVATIVES, resolve_chat_skip, slice_start
+
+    long_q = "x" * 2000  # past the 16 × 64 = 1,024 characters a max-len-64 slice keeps: no model turn left
+    rows = [{"messages": [{"role": "user", "content": long_q if i in (1, 4) else f"q{i}"},
+                          {"role": "assistant", "content": f"a{i}"}]} for i in range(9)]
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    picked, end = pick_conversations(str(data), 0, 2, max_chars=1024)
+    assert [c.messages[1]["content"] for c in picked] == ["a0", "a2"] and end == 3  # conversation 1 read, skipped
+    a = tmp_path / "chat-a"
+    a.mkdir()
+    assert resolve_chat_skip("5", str(a)) == 5
+    with pytest.raises(DraftportError, match="make_chat_target.json"):
+        resolve_chat_skip("auto", str(a))  # no record: a one-line error naming it
+    (a / "make_chat_target.json").write_text(json.dumps({"next_conversation": end}))
+    assert resolve_chat_skip("auto", str(a)) == 3
+    with pytest.raises(DraftportError, match="number or auto"):
+        resolve_chat_skip("ten", str(a))
+    args = argparse.Namespace(chat_skip=3, chat_data=str(data), steps=None, batch_size=None, max_len=64, num_convs=2)
+    assert slice_start(DERIVATIVES["chat"], args) == 3
+    assert slice_start(DERIVATIVES["long"], args) == 6  # B-chat read 3, 4 (skipped), 5
+
+
 def test_make_derivatives_tiny(examples_path, tiny_gemma_dir, convs_file, tmp_path, capsys):
     """B-code, B-chat and B-long from a tiny chat target: each trained on its own slice, its record (recipe,
     loss, checksums) beside the weights, A's chat template and <end_of_turn> eos kept; a rerun skips them,
@@ -445,7 +506,7 @@ def test_port_table(examples_path, tmp_path, capsys):
 
 
 STUDY_ENV = dict(DRAFTPORT_PROMPTS="/d/prompts.jsonl", DRAFTPORT_CHAT_DATA="/d/chat.jsonl",
-                 DRAFTPORT_CODE="/d/code.jsonl", DRAFTPORT_GGUF="/m/g.gguf")
+                 DRAFTPORT_CODE="/d/code.jsonl", DRAFTPORT_GGUF="/m/g.gguf", DERIVATIVES="code,chat,long")
 
 
 def test_gpu_study_dry_run_commands_parse(examples_path, tmp_path, monkeypatch):
@@ -498,14 +559,15 @@ def test_gpu_study_dry_run_commands_parse(examples_path, tmp_path, monkeypatch):
     probes = [cfg for v, cfg in verbs if v == "probe"]
     assert all(p.drafter == f"{out}/drafter-a/final" and p.data == f"{out}/drafter-a/regenerated.jsonl" for p in probes)
     small, full = [cfg for v, cfg in verbs if v == "study"]
-    assert parse_sizes(small.sizes).values == (125_000, 500_000)
+    assert parse_sizes(small.sizes).values == (62_500, 250_000)
     sizes = parse_sizes(full.sizes)
     assert sizes.tokens and len(sizes.values) >= 4 and sizes.values[-1] / sizes.values[0] >= 16
     assert set(parse_sizes(small.sizes).values) <= set(sizes.values)  # the full study reuses study-small's runs
     assert {k: v for k, v in vars(small).items() if k != "sizes"} == {k: v for k, v in vars(full).items() if k != "sizes"}
     assert full.epochs == 2 and full.steps is None and full.regenerate and full.target_b.endswith("derivatives/B-code")
     assert seen["chat"].target_a == "/m/g.gguf" and seen["chat"].num_convs == 10520
-    assert seen["derivatives"].only == ["code", "chat", "long"] and seen["derivatives"].chat_skip == 10520
+    assert seen["chat"].max_chars == 3000  # the recipe's cut: A trains on the recipe's examples
+    assert seen["derivatives"].only == ["code", "chat", "long"] and seen["derivatives"].chat_skip == "auto"
     assert seen["table"] == out
 
 
@@ -527,6 +589,9 @@ def test_gpu_study_stages_skip_resume_and_inputs(tmp_path):
         (out / rel).write_text("{}")
     cmds = dry_run(tmp_path, "derivatives,port,study-small", script="gpu_study.sh", **STUDY_ENV)
     assert "--only chat " in cmds[0] and len(cmds) == 1 + 5  # B-chat only; 5 of the 7 port steps
+    default = {k: v for k, v in STUDY_ENV.items() if k != "DERIVATIVES"}  # the default: B-code and B-chat
+    cmds = dry_run(tmp_path / "d", "port", script="gpu_study.sh", **default)
+    assert sum(" probe " in c for c in cmds) == 2 and not any("B-long" in c for c in cmds)
     assert not any(str(out / "port" / "A" / "eval") in c or str(out / "port" / "B-code" / "probe") in c for c in cmds)
     bad = subprocess.run(["bash", str(EXAMPLES / "gpu_study.sh"), "port,studdy"], capture_output=True, text=True,
                          env={"PATH": "/usr/bin:/bin", "DRY_RUN": "1", "OUT": str(tmp_path / "x")})
@@ -584,7 +649,7 @@ def test_gpu_study_runs_end_to_end_on_a_tiny_chat_target(tmp_path):
            "A_BATCH": "4", "CHAT_STEPS": "2", "CHAT_BATCH": "2", "CHAT_CONVS": "6", "CHAT_MAX_LEN": "96",
            "DERIVATIVE_ARGS": "--steps 2 --batch-size 2 --max-len 96 --num-convs 4", "PROBE_SAMPLES": "4",
            "EVAL_SAMPLES": "1", "EVAL_NEW_TOKENS": "6", "STUDY_SIZES": "0.4k,0.8k,1.6k,3.2k", "STUDY_SMALL": "0.4k,1.6k",
-           "STUDY_BATCH": "4"}
+           "STUDY_BATCH": "4", "DERIVATIVES": "code,chat,long"}
     res = subprocess.run(["bash", str(EXAMPLES / "gpu_study.sh")], env=env, capture_output=True, text=True)
     assert res.returncode == 0, res.stderr[-3000:] + res.stdout[-3000:]
     md = (out / "port.md").read_text()
