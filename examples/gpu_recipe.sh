@@ -27,7 +27,7 @@
 #   DRAFTPORT_CHAT_DATA  conversations for the chat fine-tuning (make_study_data.py --chat N --chat-skip S)
 #   OUT (default ./gpu-recipe), PYTHON (default python); DRAFTPORT_CACHE defaults to $OUT/cache
 # Sizes: HELDOUT=100 MAX_LEN=768 SAMPLES=2 TEMPERATURE=0.8 REGEN_NEW=256 REGEN_BATCH=256 REGEN_ENGINE=batch
-#   TRAIN_STEPS=1000 TRAIN_BATCH=64 TRAIN_LR=1e-3 TTT=4 MARKS=500k,2M,5M,10M,20M SAVE_EVERY=250
+#   TRAIN_STEPS=1000 TRAIN_BATCH=64 TRAIN_LR=1e-3 TTT=4 GROUP_BY_LENGTH=0 MARKS=500k,2M,5M,10M,20M SAVE_EVERY=250
 #   CHAT_STEPS=700 CHAT_BATCH=16 CHAT_CONVS=10520 CHAT_MAX_LEN=512
 #   EVAL_SAMPLES=10 EVAL_NEW_TOKENS=200 DEPTH=3 EXTRA_SETS=humaneval,mt-bench:math DEVICE=cuda
 set -euo pipefail
@@ -43,6 +43,7 @@ HELDOUT=${HELDOUT:-100}; MAX_LEN=${MAX_LEN:-768}
 SAMPLES=${SAMPLES:-2}; TEMPERATURE=${TEMPERATURE:-0.8}; REGEN_NEW=${REGEN_NEW:-256}; REGEN_BATCH=${REGEN_BATCH:-256}
 REGEN_ENGINE=${REGEN_ENGINE:-batch}
 TRAIN_STEPS=${TRAIN_STEPS:-1000}; TRAIN_BATCH=${TRAIN_BATCH:-64}; TRAIN_LR=${TRAIN_LR:-1e-3}; TTT=${TTT:-4}
+GROUP_BY_LENGTH=${GROUP_BY_LENGTH:-0}  # train --group-by-length (0: random batches, the measured run's)
 MARKS=${MARKS:-500k,2M,5M,10M,20M}; SAVE_EVERY=${SAVE_EVERY:-250}
 CHAT_STEPS=${CHAT_STEPS:-700}; CHAT_BATCH=${CHAT_BATCH:-16}; CHAT_CONVS=${CHAT_CONVS:-10520}; CHAT_MAX_LEN=${CHAT_MAX_LEN:-512}
 EVAL_SAMPLES=${EVAL_SAMPLES:-10}; EVAL_NEW_TOKENS=${EVAL_NEW_TOKENS:-200}; DEPTH=${DEPTH:-3}
@@ -91,7 +92,7 @@ if want train; then
     run "$PY" -m draftport train --target "$CHAT" --chat-template gemma --data "$OUT/data/train.jsonl" \
         --regenerate --samples-per-prompt "$SAMPLES" --temperature "$TEMPERATURE" --max-new-tokens "$REGEN_NEW" \
         --regen-batch-size "$REGEN_BATCH" --regen-engine "$REGEN_ENGINE" --max-len "$MAX_LEN" --steps "$TRAIN_STEPS" --batch-size "$TRAIN_BATCH" \
-        --lr "$TRAIN_LR" --ttt-steps "$TTT" --lm-head-from-target --save-at-tokens "$MARKS" --save-every "$SAVE_EVERY" \
+        --lr "$TRAIN_LR" --ttt-steps "$TTT" --group-by-length "$GROUP_BY_LENGTH" --lm-head-from-target --save-at-tokens "$MARKS" --save-every "$SAVE_EVERY" \
         --device "$DEVICE" --out "$OUT/train-chat"
   fi
   lap "train-chat"

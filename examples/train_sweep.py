@@ -12,7 +12,8 @@ finished ones, and one cut off mid-run resumes from its checkpoint, as `draftpor
 loaded once and shared. --equal-tokens scales each run's steps by
 batch_size so every point trains on the same number of samples as the first batch size at --steps (a larger
 batch would otherwise win by seeing more data). Writes sweep.md and sweep.json: one row per point, with its
-held-out simulated τ (depth 3 and depth k), step-0 accuracy, validation loss, training tokens and seconds.
+held-out simulated τ (depth 3 and depth k), step-0 accuracy, validation loss, training tokens, seconds, tok/s
+and batch fill (real tokens / padded batch tokens: what `group_by_length` raises).
 
 Simulated τ comes from the run's validation (conditional accuracies of the unrolled steps). It ranks
 settings cheaply. It is not online τ: evaluate the winner with `draftport eval` beside the floor.
@@ -90,19 +91,22 @@ def row_of(point: dict, summary: dict, run_dir: str) -> dict:
     return {"point": point_name(point), **point, "steps": summary.get("steps"),
             "val_tau_depth3": summary.get("val_accept_len"), "val_tau_depth_k": summary.get("val_accept_len_k"),
             "step0_acc": (summary.get("val_acc") or [None])[0], "val_loss": summary.get("val_loss"),
-            "tokens": last_tokens(run_dir), "seconds": summary.get("seconds")}
+            "tokens": last_tokens(run_dir), "seconds": summary.get("seconds"),
+            "tok_s": summary.get("tokens_per_s"), "batch_fill": summary.get("batch_fill")}
 
 
 def table(rows: list[dict]) -> str:
     f = lambda x, s=".3f": "–" if x is None else format(x, s)  # noqa: E731
     best = max((r["val_tau_depth3"] or 0) for r in rows)
-    lines = ["| point | steps | held-out simulated τ, depth 3 | depth k | step-0 acc | val loss | training tokens | s |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| point | steps | held-out simulated τ, depth 3 | depth k | step-0 acc | val loss | training tokens | s "
+             "| tok/s | batch fill |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: -(r["val_tau_depth3"] or 0)):
         tau = f(r["val_tau_depth3"])
         lines.append(f"| {r['point']} | {r['steps']} | {'**' + tau + '**' if r['val_tau_depth3'] == best else tau} | "
                      f"{f(r['val_tau_depth_k'])} | {f(r['step0_acc'])} | {f(r['val_loss'])} | "
-                     f"{f(r['tokens'], ',.0f') if r['tokens'] is not None else '–'} | {f(r['seconds'], '.0f')} |")
+                     f"{f(r['tokens'], ',.0f') if r['tokens'] is not None else '–'} | {f(r['seconds'], '.0f')} | "
+                     f"{f(r.get('tok_s'), ',.0f')} | {f(r.get('batch_fill'), '.2f')} |")
     return "\n".join(lines) + "\n"
 
 

@@ -189,6 +189,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--restart", action="store_true", help="start over instead of resuming")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (default one epoch)")
     p.add_argument("--ttt-steps", type=int, default=7, help="training-time-test unroll: draft steps trained per position")
+    p.add_argument("--group-by-length", type=int, default=0, metavar="N",
+                   help="length-grouped batches: sort the shuffled samples in windows of N batches, then shuffle the "
+                        "batches (less padding per batch; default 0: random batches)")
     p.add_argument("--draft-vocab-size", type=int, default=None, help="default min(32000, V)")
     p.add_argument("--lm-head-from-target", action="store_true",
                    help="from scratch: the drafter's lm_head starts as the target's head rows (same hidden size)")

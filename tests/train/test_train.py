@@ -117,6 +117,27 @@ def test_rerun_resumes_refuses_other_flags_and_restart_starts_over(store, tmp_pa
     assert rc == 0 and got["resumed_from_step"] == 0 and got["steps"] == 3
 
 
+def test_group_by_length_fills_batches_and_is_part_of_the_run(tmp_path):
+    """--group-by-length: batches of similar lengths (the summary's batch fill rises), the same samples seen;
+    a setting of the run (a rerun with another value is refused, as any weight-deciding flag)."""
+    data = write_cyclic(tmp_path / "mixed.jsonl", 64, seed=3)
+    rows = [json.loads(line) for line in open(data)]
+    for i, r in enumerate(rows):  # a chat-like mix: a few long answers among short ones
+        if i % 8 == 0:
+            r["messages"][1]["content"] = " ".join([r["messages"][1]["content"]] * 6)
+    with open(data, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    kw = dict(steps=6, batch_size=8, max_len=512)
+    plain = run_train(_cfg(data, tmp_path / "plain", **kw), console=QUIET)
+    grouped = run_train(_cfg(data, tmp_path / "grouped", group_by_length=4, **kw), console=QUIET)
+    assert plain["group_by_length"] == 0 and grouped["group_by_length"] == 4
+    assert plain["batch_fill"] < 0.6 < grouped["batch_fill"] <= 1.0
+    with pytest.raises(DraftportError, match="group_by_length"):
+        run_train(_cfg(data, tmp_path / "grouped", group_by_length=8, **kw), console=QUIET)
+    with pytest.raises(DraftportError, match="group-by-length"):
+        TrainConfig(target=TARGET, data=data, group_by_length=-1).resolved("cpu")
+
+
 def test_train_regenerate_equals_training_on_the_regenerated_file(store, tmp_path, monkeypatch):
     """--regenerate: the target answers the prompts first (batch engine, two sampled answers a prompt),
     then the run trains online on <out>/regenerated.jsonl, exactly as if that file were --data; a rerun

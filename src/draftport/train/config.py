@@ -56,6 +56,8 @@ class TrainConfig:
     restart: bool = False                # delete this run's checkpoints and metrics, start over
     steps: int | None = None             # optimizer steps (None: one epoch)
     ttt_steps: int = 7                   # k, the unrolled drafter steps
+    group_by_length: int = 0             # > 0: length-grouped batches, sorted in windows of this many batches
+                                         # (parallel.grouped_batches: less padding); 0: random batches
     draft_vocab_size: int | None = None  # Vd (None: min(32000, V), or the init drafter's)
     aux_layers: list[int] | None = None  # from scratch: taps (None: the store's, else [2, L//2, L-3])
     lr: float | None = None              # peak learning rate (None: 1e-4, 5e-5 with init_from)
@@ -106,6 +108,8 @@ class TrainConfig:
         r.attention = self.attention if self.attention != "auto" else ("flex" if cuda else "eager")
         if self.save_at_tokens is not None and (not self.save_at_tokens or min(self.save_at_tokens) < 1):
             raise DraftportError(f"--save-at-tokens must list positive token counts (got {self.save_at_tokens})")
+        if self.group_by_length < 0:
+            raise DraftportError(f"--group-by-length must be 0 (off) or a number of batches (got {self.group_by_length})")
         if r.batch_size < 1 or r.ttt_steps < 1 or r.max_nonfinite_steps < 1:
             raise DraftportError(f"--batch-size, --ttt-steps and --max-nonfinite-steps must be at least 1 "
                                  f"(got {r.batch_size}, {r.ttt_steps}, {r.max_nonfinite_steps})")

@@ -36,6 +36,7 @@ import math
 import os
 import time
 
+import numpy as np
 import torch
 
 from draftport.train import checkpoint as ckpt
@@ -190,6 +191,8 @@ def request_config(cfg: TrainConfig, device: torch.device) -> dict:
     if not cfg.regenerate:  # regeneration settings decide nothing then (and runs made before them resume)
         from draftport.train.capture import REGEN_KEYS
         skip |= {"regenerate", *REGEN_KEYS}
+    if not cfg.group_by_length:  # off decides nothing new (and runs made before the option resume)
+        skip.add("group_by_length")
     d = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name not in skip}
     for key in ("target", "data", "init_from"):
         if d[key] and os.path.exists(d[key]):
@@ -203,8 +206,6 @@ def request_config(cfg: TrainConfig, device: torch.device) -> dict:
 def validate(model, data: "Samples", val_idx, layers, target, k: int, B: int, info, device, amp,
              cache=None) -> dict:
     """Held-out loss, per-step accuracy (unconditional and conditional) and simulated τ."""
-    import numpy as np
-
     from draftport.train.losses import accuracies_from_counts
 
     t2d = model.drafter.t2d
@@ -428,6 +429,8 @@ def _run(cfg: TrainConfig, info, target, console) -> dict:
         initial_val = validate(model, data, val_idx, layers, target, k, B, info, dev, amp, cache)
         log({"step": 0, **initial_val})
     sl, tokens, t0, final_path = parallel.rank_slice(B, info), 0, time.perf_counter(), None
+    padded = 0  # B × T summed: what the target and drafter computed on (tokens / padded = the batches' fill)
+    train_lengths = data.lengths()[np.asarray(train_idx)] if cfg.group_by_length else None
     # --save-at-tokens: the marks still ahead of this run (a resumed run has published the ones behind it)
     marks = sorted(m for m in set(cfg.save_at_tokens or ()) if not ckpt.is_complete_milestone(out, m))
     bad_run = 0  # consecutive skipped steps (non-finite loss or gradient)
@@ -440,10 +443,12 @@ def _run(cfg: TrainConfig, info, target, console) -> dict:
             lr = lr_at(step, steps, peak, warmup)
             for g in opt.param_groups:
                 g["lr"] = lr
-            gidx, epoch, j = parallel.epoch_batch(step, len(train_idx), B, cfg.seed)
+            gidx, epoch, j = parallel.epoch_batch(step, len(train_idx), B, cfg.seed, lengths=train_lengths,
+                                                  group=cfg.group_by_length)
             mine = [train_idx[i] for i in gidx[sl]]
             batch = data.batch(mine, layers)
             tokens += int(batch["attention_mask"].sum())
+            padded += batch["attention_mask"].numel()
             inp = ttt_inputs(batch, target, drafter.t2d, k, dev, info, pad_to, keys=mine, cache=cache)
             with amp():
                 loss, stats, _, _ = model(**inp)
@@ -487,12 +492,13 @@ def _run(cfg: TrainConfig, info, target, console) -> dict:
             if finite and (done % log_every == 0 or done == steps):
                 # logged, not kept in `last` when not finite: the summary's figures are those of real steps
                 stats = parallel.all_reduce_sum(stats.detach().clone(), info).cpu()
-                tok = parallel.all_reduce_sum(torch.tensor([float(tokens)], device=dev), info).item()
+                tok, pad = parallel.all_reduce_sum(torch.tensor([float(tokens), float(padded)], device=dev),
+                                                   info).tolist()
                 elapsed = time.perf_counter() - t0
                 rec = {"loss": sum(DEFAULT_DECAY ** i * v for i, v in enumerate(stats[0].tolist())),
                        "loss_steps": stats[0].tolist(), "acc": (stats[1] / stats[2].clamp_min(1)).tolist(),
                        "lr": lr, "grad_norm": float(gn), "tokens": tok, "tokens_seen": seen0 + int(tok),
-                       "tok_s": tok / elapsed if elapsed else 0.0}
+                       "tok_s": tok / elapsed if elapsed else 0.0, "batch_fill": tok / pad if pad else None}
                 progress.update(task, info=f"loss {rec['loss']:.3f}  acc0 {rec['acc'][0]:.2f}  "
                                            f"{rec['tok_s']:,.0f} tok/s")
             if validating:
@@ -529,6 +535,7 @@ def _run(cfg: TrainConfig, info, target, console) -> dict:
         "resumed_from_step": start, "world_size": info.world_size, "ttt_steps": k, "batch_size": B,
         "aux_layers": layers, "draft_vocab_size": drafter.spec.draft_vocab_size, "vocab": notes,
         "num_train": len(train_idx), "num_val": len(val_idx), "tokens_per_s": last.get("tok_s"),
+        "batch_fill": last.get("batch_fill"), "group_by_length": cfg.group_by_length,
         "seconds": seconds, "init_from": cfg.init_from, "skipped_steps": skipped,
         "milestones": ckpt.list_milestones(out) if cfg.save_at_tokens else None})
     if info.is_main:

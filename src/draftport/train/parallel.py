@@ -15,6 +15,7 @@ distribution is applied from outside.
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import os
 from dataclasses import dataclass
@@ -120,19 +121,57 @@ def apply_fsdp(model: torch.nn.Module, info: DistInfo, *, blocks: list[torch.nn.
     return model
 
 
-def epoch_batch(step: int, num_samples: int, batch_size: int, seed: int) -> tuple[np.ndarray, int, int]:
+def epoch_batch(step: int, num_samples: int, batch_size: int, seed: int, lengths: np.ndarray | None = None,
+                group: int = 0) -> tuple[np.ndarray, int, int]:
     """Global batch of training step `step`: sample indices [batch_size] into 0..num_samples-1,
     plus (epoch, batch index in that epoch). Each epoch is a fresh permutation seeded by
     (seed, epoch) — store.sample_order — cut into full batches (the remainder is dropped, so every
-    step has the same global batch). A pure function of the step: resuming needs only the step."""
+    step has the same global batch). With `group` > 0 and the samples' `lengths`, the batches are
+    length-grouped (grouped_batches). A pure function of the step: resuming needs only the step."""
     from draftport.data.store import sample_order
 
     per_epoch = num_samples // batch_size
     if per_epoch < 1:
         raise DraftportError(f"--batch-size {batch_size} is larger than the {num_samples} training samples")
     epoch, j = divmod(step, per_epoch)
+    if group > 0 and lengths is not None:
+        batches = _grouped_epoch(num_samples, batch_size, seed, epoch, group, np.asarray(lengths, np.int64).tobytes())
+        return batches[j], epoch, j
     order = sample_order(num_samples, seed=seed, epoch=epoch)
     return order[j * batch_size:(j + 1) * batch_size], epoch, j
+
+
+def grouped_batches(order: np.ndarray, lengths: np.ndarray, batch_size: int, group: int,
+                    rng: np.random.Generator) -> np.ndarray:
+    """Length-grouped batches of one epoch [per_epoch, batch_size]: the epoch's shuffled `order` is cut into
+    windows of `group` batches, each window sorted by length (longest first, ties in shuffled order) and cut
+    into batches, then the batches are shuffled. Why: a batch pads to its longest sample, so random batches of
+    chat samples (a few long, most short) spend most of the target's and drafter's work on padding; sorting
+    inside a window of group × batch_size samples makes batch lengths nearly uniform, while the window keeps
+    each batch a random draw from a slice of the epoch and the final shuffle keeps long and short batches
+    interleaved (no length curriculum)."""
+    per_epoch = len(order) // batch_size
+    keep = order[:per_epoch * batch_size]
+    out = []
+    for w in range(0, per_epoch, group):
+        win = keep[w * batch_size:min(w + group, per_epoch) * batch_size]
+        win = win[np.argsort(-lengths[win], kind="stable")]
+        out.extend(win.reshape(-1, batch_size))
+    out = np.stack(out)
+    return out[rng.permutation(per_epoch)]
+
+
+@functools.lru_cache(maxsize=2)  # one epoch's batches, built once (a step reads one row)
+def _grouped_epoch(num_samples: int, batch_size: int, seed: int, epoch: int, group: int,
+                   lengths_bytes: bytes) -> np.ndarray:
+    from draftport.data.store import sample_order
+
+    lengths = np.frombuffer(lengths_bytes, dtype=np.int64)
+    if len(lengths) != num_samples:
+        raise ValueError(f"{len(lengths)} lengths for {num_samples} samples")
+    order = sample_order(num_samples, seed=seed, epoch=epoch)
+    # its own stream (seed, epoch, 1): the window sort must not change the sample order's draw
+    return grouped_batches(order, lengths, batch_size, group, np.random.default_rng([seed, epoch, 1]))
 
 
 def rank_slice(global_batch: int, info: DistInfo) -> slice:

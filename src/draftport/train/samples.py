@@ -81,6 +81,14 @@ class Samples:
     def __len__(self) -> int:
         return len(self.store) if self.offline else len(self.ids)
 
+    def lengths(self) -> "np.ndarray":
+        """Tokens per sample, int64 [len] (what a batch pads to the longest of)."""
+        import numpy as np
+
+        if self.offline:
+            return np.asarray(self.store.lengths, dtype=np.int64)
+        return np.array([len(x) for x in self.ids], dtype=np.int64)
+
     def token_counts(self, idx, vocab_size: int) -> torch.Tensor:
         """Token ids under the loss mask over samples `idx` -> int64 [V] (vocab.count_tokens)."""
         from draftport.model.vocab import count_tokens
