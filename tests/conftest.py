@@ -68,3 +68,46 @@ def pytest_collection_modifyitems(config, items):
 
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+# What a page runs once loaded: each <img>'s decoded size in the browser ("broken" when it did not decode),
+# appended to the DOM that --dump-dom prints.
+_IMAGE_PROBE = ("<script>window.addEventListener('load', () => { const r = Array.from(document.images).map(i => "
+                "(i.complete && i.naturalWidth > 0) ? i.naturalWidth + 'x' + i.naturalHeight : 'broken'); "
+                "const p = document.createElement('pre'); p.id = 'draftport-images'; p.textContent = r.join(' '); "
+                "document.body.appendChild(p); });</script>")
+
+
+@pytest.fixture
+def chromium_images(tmp_path_factory):
+    """f(html_path) -> the decoded size of every image of the page, as Debian's headless chromium drew it
+    ("781x466", or "broken"). Off CI a missing chromium skips the test; under CI (.ci/run installs it) it fails."""
+    import re
+    import shutil
+    import subprocess
+
+    browser = next((p for p in (shutil.which("chromium"), shutil.which("chromium-browser")) if p), None)
+    if browser is None:
+        if os.environ.get("CI"):
+            pytest.fail("CI installs Debian's chromium (.ci/run); it is missing", pytrace=False)
+        pytest.skip("Debian chromium not installed")
+    work = tmp_path_factory.mktemp("chromium")
+
+    def images(html_path) -> list[str]:
+        html = Path(html_path).read_text(encoding="utf-8")
+        page = Path(html_path).with_name(f".probe-{Path(html_path).name}")  # beside it: relative links still resolve
+        page.write_text(html.replace("</body>", _IMAGE_PROBE + "</body>") if "</body>" in html
+                        else html + _IMAGE_PROBE, encoding="utf-8")
+        try:
+            res = subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+                                  "--no-first-run", "--disable-background-networking", "--disable-component-update",
+                                  "--disable-sync", f"--user-data-dir={work / 'profile'}", "--virtual-time-budget=5000",
+                                  "--dump-dom", f"file://{page.resolve()}"],
+                                 check=True, capture_output=True, text=True, timeout=120)
+        finally:
+            page.unlink()
+        found = re.findall(r'<pre id="draftport-images">(.*?)</pre>', res.stdout, flags=re.S)
+        assert found, f"the page's load handler did not run in chromium: {html_path}"
+        return found[0].split()
+
+    return images

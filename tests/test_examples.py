@@ -617,10 +617,11 @@ def test_gpu_study_stages_skip_resume_and_inputs(tmp_path):
 
 
 @pytest.mark.slow
-def test_gpu_study_runs_end_to_end_on_a_tiny_chat_target(tmp_path):
+def test_gpu_study_runs_end_to_end_on_a_tiny_chat_target(tmp_path, chromium_images):
     """The whole chain of examples/gpu_study.sh on the CPU (a tiny Gemma-3 as the base, every size cut down):
     the stages fit together (the probe reads A's regenerated answers, the study runs on a Gemma target that no
-    serving engine takes, study reuses study-small's runs), and port.md holds every B and the data ratio."""
+    serving engine takes, study reuses study-small's runs), port.md holds every B and the data ratio, and the
+    study's report.html shows every one of its plots in a browser (headless chromium decodes each image)."""
     import os
     import subprocess
     import sys
@@ -654,6 +655,9 @@ def test_gpu_study_runs_end_to_end_on_a_tiny_chat_target(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:] + res.stdout[-3000:]
     md = (out / "port.md").read_text()
     assert all(f"| B-{b} |" in md for b in ("code", "chat", "long")) and "Transfer against scratch on B-code" in md
+    html = (out / "study" / "report.html").read_text()
+    drawn = chromium_images(out / "study" / "report.html")
+    assert len(drawn) == html.count("<img") >= 3 and "broken" not in drawn, drawn  # similarity, scaling, …
     study = json.loads((out / "study" / "summary-study.json").read_text())
     assert [p["label"] for p in study["size_points"]] == ["400", "800", "1.6k", "3.2k"]
     assert study["stage_timings"]["train-scratch-1.6k"]["cached"]  # study-small's run, reused
