@@ -429,7 +429,7 @@ def _run(cfg: TrainConfig, info, target, console) -> dict:
         initial_val = validate(model, data, val_idx, layers, target, k, B, info, dev, amp, cache)
         log({"step": 0, **initial_val})
     sl, tokens, t0, final_path = parallel.rank_slice(B, info), 0, time.perf_counter(), None
-    padded = 0  # B × T summed: what the target and drafter computed on (tokens / padded = the batches' fill)
+    padded = 0  # B × T summed (before flex attention rounds T up): tokens / padded = the batches' fill
     train_lengths = data.lengths()[np.asarray(train_idx)] if cfg.group_by_length else None
     # --save-at-tokens: the marks still ahead of this run (a resumed run has published the ones behind it)
     marks = sorted(m for m in set(cfg.save_at_tokens or ()) if not ckpt.is_complete_milestone(out, m))
