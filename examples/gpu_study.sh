@@ -50,7 +50,7 @@
 #   STUDY_B              the derivative the study runs on (default: the most drifted by the probe)
 #   OUT (default ./gpu-study), PYTHON (default python); DRAFTPORT_CACHE defaults to $OUT/cache
 # Sizes: HELDOUT=100 A_PROMPTS=6000 STUDY_PROMPTS=2500 SAMPLES=2 TEMPERATURE=0.8 REGEN_NEW=256 REGEN_BATCH=512
-#   MAX_LEN=768 A_STEPS=400 A_BATCH=64 A_LR=1e-3 TTT=4 CHAT_STEPS=700 CHAT_BATCH=16 CHAT_CONVS=10520 CHAT_MAX_LEN=512
+#   MAX_LEN=768 A_STEPS=400 A_BATCH=64 A_LR=1e-3 TTT=4 A_GROUP=0 CHAT_STEPS=700 CHAT_BATCH=16 CHAT_CONVS=10520 CHAT_MAX_LEN=512
 #   CHAT_MAX_CHARS=3000 CHAT_SKIP=auto
 #   DERIVATIVES=code,chat PROBE_SAMPLES=64 EVAL_SAMPLES=10 EVAL_NEW_TOKENS=200 DEPTH=3
 #   STUDY_SIZES=62.5k,125k,250k,1M STUDY_SMALL=62.5k,250k STUDY_EPOCHS=2 STUDY_BATCH=32 STUDY_LR=1e-3
@@ -70,6 +70,7 @@ BASE=${DRAFTPORT_GGUF:-gemma-3-270m}
 HELDOUT=${HELDOUT:-100}; A_PROMPTS=${A_PROMPTS:-6000}; STUDY_PROMPTS=${STUDY_PROMPTS:-2500}  # 5,000 answers ≈ 1.5 M tokens ≥ the 1M size
 SAMPLES=${SAMPLES:-2}; TEMPERATURE=${TEMPERATURE:-0.8}; REGEN_NEW=${REGEN_NEW:-256}; REGEN_BATCH=${REGEN_BATCH:-512}
 MAX_LEN=${MAX_LEN:-768}; A_STEPS=${A_STEPS:-400}; A_BATCH=${A_BATCH:-64}; A_LR=${A_LR:-1e-3}; TTT=${TTT:-4}
+A_GROUP=${A_GROUP:-0}  # train --group-by-length for A's drafter (0: random batches, as the recipe's measured run)
 CHAT_STEPS=${CHAT_STEPS:-700}; CHAT_BATCH=${CHAT_BATCH:-16}; CHAT_CONVS=${CHAT_CONVS:-10520}; CHAT_MAX_LEN=${CHAT_MAX_LEN:-512}
 CHAT_MAX_CHARS=${CHAT_MAX_CHARS:-3000}  # the recipe's cut: A's examples are the recipe's (make_chat_target --max-chars)
 CHAT_SKIP=${CHAT_SKIP:-auto}            # the derivatives' chat slices start after every conversation A read
@@ -138,7 +139,8 @@ if want drafter-a; then
     run "$PY" -m draftport train --target "$A" --chat-template gemma --data "$OUT/data/a.jsonl" \
         --regenerate --samples-per-prompt "$SAMPLES" --temperature "$TEMPERATURE" --max-new-tokens "$REGEN_NEW" \
         --regen-batch-size "$REGEN_BATCH" --max-len "$MAX_LEN" --steps "$A_STEPS" --batch-size "$A_BATCH" \
-        --lr "$A_LR" --ttt-steps "$TTT" --lm-head-from-target --device "$DEVICE" --out "$OUT/drafter-a"
+        --lr "$A_LR" --ttt-steps "$TTT" --group-by-length "$A_GROUP" --lm-head-from-target --device "$DEVICE" \
+        --out "$OUT/drafter-a"
   fi
   lap "drafter A"
 fi
