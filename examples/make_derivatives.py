@@ -161,7 +161,8 @@ def resolve_chat_skip(value: str, target_a: str) -> int:
     path = os.path.join(target_a, "make_chat_target.json")
     try:
         with open(path, encoding="utf-8") as f:
-            n = json.load(f).get("next_conversation")
+            rec = json.load(f)
+        n = rec.get("next_conversation") if isinstance(rec, dict) else None
     except (OSError, ValueError) as exc:
         raise DraftportError(f"--chat-skip auto reads A's record ({exc.__class__.__name__}); give a number",
                              path) from None
