@@ -62,6 +62,12 @@ SHAPES = {
                          num_hidden_layers=18, num_attention_heads=4, num_key_value_heads=1, head_dim=256,
                          sliding_window=512, query_pre_attn_scalar=256, max_position_embeddings=32768,
                          tie_word_embeddings=True, final_logit_softcapping=None),
+    # a tiny Gemma-3 (8 layers: the drafter's default taps 2, 4, 5 are distinct) for the CPU smoke test of this
+    # script (tests/test_benchmarks.py): its figures mean nothing, its sections must all run
+    "tiny-gemma3": dict(family="gemma3", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=8,
+                        num_attention_heads=2, num_key_value_heads=1, head_dim=32, sliding_window=16,
+                        query_pre_attn_scalar=32, max_position_embeddings=4096, tie_word_embeddings=True,
+                        final_logit_softcapping=None),
     # Llama-3.1-8B: 32 layers, hidden 4096, 32 heads / 8 kv heads of 128, vocab 128256, untied head
     "llama-3.1-8b": dict(family="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
                          num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,

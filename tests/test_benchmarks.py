@@ -1,0 +1,79 @@
+"""The benchmark scripts run end to end on the CPU (a tiny target, every section): their figures mean nothing
+here, but a GPU call must never be spent on a script that breaks on an argument or a section. Timings are
+never asserted (BENCHMARKS.md holds the measured ones)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+@pytest.fixture
+def bench_path(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH))  # what `python benchmarks/<script>.py` does for the scripts
+
+
+def _last_json(path: Path) -> dict:
+    return json.loads(path.read_text().splitlines()[-1])
+
+
+def test_bench_decode_times_every_pass_and_profiles_each(bench_path, tmp_path):
+    import bench_decode
+
+    out, prof = tmp_path / "decode.json", tmp_path / "profile.txt"
+    assert bench_decode.main(["--target", "random:tiny-gemma3", "--device", "cpu",
+                              "--target-pass", "hf,native,native-whole", "--profile", str(prof),
+                              "--prefill-lens", "16", "--repeats", "1", "--prompts-n", "2", "--max-new-tokens", "6",
+                              "--budget-s", "300", "--out", str(out)]) == 0
+    r = _last_json(out)
+    sections = ("steps", "target_pass", "profile", "engine", "hf_generate")
+    assert not [s for s in sections if "error" in r[s] or "skipped" in r[s]], {s: r[s] for s in sections}
+    tp = r["target_pass"]
+    assert tp["passes"] == ["hf", "native", "native-whole"]
+    assert all(tp[p]["step_ms"] > 0 and tp[p]["prefill_16_tok_s"] > 0 for p in tp["passes"])
+    assert [tp[p]["resolved"] for p in tp["passes"]] == ["hf", "native", "native"]
+    # one kernel table per pass and token count: the before and after of a change side by side
+    assert set(r["profile"]) - {"seconds"} == {"hf", "native", "native-whole"}
+    headers = [line for line in prof.read_text().splitlines() if line.startswith("## ")]
+    assert headers == [f"## {p}: {T}-token target pass, 10 calls, eager" for p in tp["passes"] for T in (1, 8)]
+    assert r["engine"]["plain"]["tok_s"] > 0 and r["engine"]["chain"]["new_tokens"] > 0
+
+
+def test_bench_decode_refuses_an_unknown_pass(bench_path, capsys):
+    import bench_decode
+
+    with pytest.raises(SystemExit) as exc:
+        bench_decode.main(["--target", "random:tiny-gemma3", "--target-pass", "hf,nativ"])
+    assert exc.value.code == 2 and "nativ" in capsys.readouterr().err
+
+
+def test_bench_generate_runs_both_engines_on_the_same_prompts(bench_path, tmp_path):
+    import bench_generate
+
+    from draftport.model.target import tiny_target
+
+    t = tiny_target("gemma3", seed=0)
+    t.model.save_pretrained(tmp_path / "target")
+    t.tokenizer.save_pretrained(tmp_path / "target")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"turns": [f"Tell me about {w}."]}) + "\n"
+                               for w in ("the sea", "robots", "tea", "rain", "trains", "music")))
+    out = tmp_path / "generate.json"
+    assert bench_generate.main(["--target", str(tmp_path / "target"), "--prompts", str(prompts), "--n", "4",
+                                "--big-n", "6", "--batch-sizes", "2,4", "--hf-batch", "2", "--max-new-tokens", "6",
+                                "--max-len", "64", "--device", "cpu", "--target-pass", "hf,native",
+                                "--out", str(out)]) == 0
+    r = _last_json(out)
+    greedy = r["greedy"]
+    assert greedy["hf"]["tok_s"] > 0  # HF generate, the anchor of the same run
+    for tp in ("hf", "native"):  # the batch engine per target pass, each batch size, and the refill run
+        assert all(greedy[f"{run}_{tp}"]["tokens"] > 0 for run in ("batch_2", "batch_4", "big_4"))
+        assert f"identical_to_hf_{tp}" in greedy
+    assert all(r["sampled"][f"big_4_{tp}"]["answers"] > 6 for tp in ("hf", "native"))  # several answers a prompt
