@@ -184,13 +184,12 @@ def main(argv=None) -> int:
     for name in ("steps", "batch_size", "max_len", "max_chars"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
-    from draftport.errors import DraftportError
+    from draftport.errors import DraftportError, report
 
     try:
         make_chat_target(args)
     except DraftportError as exc:
-        print(f"{TAG}: {' '.join(str(exc).split())}", file=sys.stderr)
-        return 2
+        return report(TAG, exc)
     return 0
 
 

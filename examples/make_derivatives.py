@@ -230,13 +230,12 @@ def main(argv=None) -> int:
     for name in ("steps", "batch_size", "max_len", "num_convs"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
-    from draftport.errors import DraftportError
+    from draftport.errors import DraftportError, report
 
     try:
         make_derivatives(args)
     except DraftportError as exc:  # bad input: one line naming the file, exit 2
-        print(f"{TAG}: {' '.join(str(exc).split())}", file=sys.stderr)
-        return 2
+        return report(TAG, exc)
     return 0
 
 

@@ -62,13 +62,12 @@ def main(argv=None) -> int:
     p.add_argument("--device", default=None, choices=["cpu", "cuda"])
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    from draftport.errors import DraftportError
+    from draftport.errors import DraftportError, report
 
     try:
         make_target_b(args)
     except DraftportError as exc:  # bad input: one line naming the file, exit 2
-        print(f"make_target_b: {exc}", file=sys.stderr)
-        return 2
+        return report("make_target_b", exc)
     return 0
 
 

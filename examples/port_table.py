@@ -24,7 +24,7 @@ import json
 import os
 import sys
 
-from draftport.errors import DraftportError
+from draftport.errors import DraftportError, report
 
 
 def _read(path: str) -> dict | None:
@@ -202,8 +202,7 @@ def main(argv=None) -> int:
         atomic_write_json(os.path.join(args.out, "port.json"), data)
         print(md)
     except DraftportError as exc:
-        print(f"port_table: {' '.join(str(exc).split())}", file=sys.stderr)
-        return 2
+        return report("port_table", exc)
     return 0
 
 

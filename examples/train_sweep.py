@@ -127,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     from rich.console import Console
 
-    from draftport.errors import DraftportError
+    from draftport.errors import DraftportError, report
     from draftport.train.config import TrainConfig
 
     args = build_parser().parse_args(argv)
@@ -141,9 +141,8 @@ def main(argv=None) -> int:
             if name not in fields or not value:
                 raise ValueError(f"--set {item!r}: expected NAME=VALUE with NAME a train setting")
             fixed[name] = parse_value(fields[name], value)
-    except ValueError as exc:
-        print(f"train_sweep: {exc}", file=sys.stderr)
-        return 2
+    except ValueError as exc:  # a bad grid or --set: the same one line as any bad input
+        return report("train_sweep", DraftportError(str(exc)))
     short = [pt for pt in grid if pt.get("ttt_steps", fixed.get("ttt_steps", TrainConfig.ttt_steps)) < RANK_DEPTH]
     if short:
         print(f"train_sweep: ttt_steps below {RANK_DEPTH} cannot simulate the depth-{RANK_DEPTH} τ the sweep ranks "
@@ -153,8 +152,7 @@ def main(argv=None) -> int:
         from draftport.data.conversations import check_data_source
         check_data_source(args.data)  # a bad --data fails before any run directory or model load
     except DraftportError as exc:
-        print(f"train_sweep: {exc}", file=sys.stderr)
-        return 2
+        return report("train_sweep", exc)
     ref_batch = next((pt["batch_size"] for pt in grid if "batch_size" in pt), fixed.get("batch_size") or 4)
     os.makedirs(args.out, exist_ok=True)
     console = Console(stderr=True)
@@ -179,8 +177,7 @@ def main(argv=None) -> int:
                 run_train(cfg, target=target, console=Console(stderr=True, quiet=True))
             rows.append(row_of(point, json.load(open(done)), run_dir))
     except DraftportError as exc:
-        print(f"train_sweep: {exc}", file=sys.stderr)
-        return 2
+        return report("train_sweep", exc)
     md = table(rows)
     with open(os.path.join(args.out, "sweep.md"), "w") as f:
         f.write(md)

@@ -13,7 +13,7 @@ import importlib
 import os
 import sys
 
-from draftport.errors import DraftportError, is_disk_full
+from draftport.errors import DraftportError, is_disk_full, report
 from draftport.safeio import FAILED_FILE, clean_failed_out, default_out
 
 # verb -> (module, config dataclass, main function). The config's fields carry the same names as the
@@ -316,8 +316,7 @@ def main(argv: list[str] | None = None) -> int:
         clean_failed_out(out, existed, str(exc))
         if args.debug:
             raise
-        print(f"draftport: {exc}", file=sys.stderr)
-        return exc.exit_code
+        return report("draftport", exc)
     except KeyboardInterrupt:
         clean_failed_out(out, existed, "interrupted")
         print("draftport: interrupted (rerun the same command to resume)", file=sys.stderr)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+import sys
 
 
 class DraftportError(Exception):
@@ -23,6 +24,13 @@ class DraftportError(Exception):
             message = f"{shown}: {message}"
         super().__init__(message)
         self.path = None if path is None else os.fspath(path)
+
+
+def report(tag: str, exc: DraftportError) -> int:
+    """What a command does with bad input: the one line `tag: message` on stderr; returns the exit code (2).
+    The CLI (tag "draftport") and the example scripts (their own names) share it."""
+    print(f"{tag}: {exc}", file=sys.stderr)
+    return exc.exit_code
 
 
 def bad_input(path: str | os.PathLike | None, problem: str) -> DraftportError:
