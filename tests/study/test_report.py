@@ -89,3 +89,19 @@ def test_html_renders_in_headless_chromium_with_its_plot(tmp_path):
     assert len(colours) > 50
     blue = sum(n for n, (r, g, b) in colours if abs(r - 31) < 30 and abs(g - 119) < 30 and abs(b - 180) < 30)
     assert blue > 20
+
+
+def test_committed_gpu_study_renders_with_every_plot_in_chromium(tmp_path, chromium_images):
+    """docs/gpu-study's summary.json (the committed H200 study) renders through today's study_report, and
+    the resulting report.html shows each of its plots in a browser: each image decoded, none broken."""
+    import json
+    from pathlib import Path
+
+    from draftport.study.study import study_report
+
+    summary = Path(__file__).resolve().parents[2] / "docs" / "gpu-study" / "summary.json"
+    md, html = study_report(json.loads(summary.read_text()), str(tmp_path))
+    page = Path(html).read_text()
+    drawn = chromium_images(html)
+    assert len(drawn) == page.count("<img") >= 3 and "broken" not in drawn, drawn
+    assert "τ" in Path(md).read_text()

@@ -482,7 +482,10 @@ def study_report(summary: dict, out: str) -> tuple[str, str]:
     from draftport.study import plots
     from draftport.study.report import Image, Report, Section, Table as RTable, write_report
 
-    rows, sizes = summary["rows"], summary["sizes"]
+    # rows of a summary written before sizes had units (sample counts only) read as samples, so an old
+    # study (docs/gpu-study until the chat-target run replaces it) still renders
+    rows = [{"size": r.get("samples"), "unit": "samples", **r} for r in summary["rows"]]
+    sizes = summary["sizes"]
     unit = summary.get("size_unit", "samples")
     label = unit_label(unit)
     plugin = rows[0]
