@@ -21,13 +21,18 @@ time budget first and is skipped, with a note, when too little is left):
     target_pass  each --target-pass side by side (e.g. `--target-pass hf,native`, issue 24), same target, same
                  run: 1-token step, verify of 4 and 8 tokens (with and without aux capture), verify-8 / step,
                  step / HBM floor, prefill of --prefill-lens tokens (ms and tokens/s, aux captured as the
-                 engine's prefill does) and the no-speculation engine's tok/s; the other sections use the first
-                 pass listed
+                 engine's prefill does), the no-speculation engine's tok/s, and each pass's warm-up (engine
+                 built, first call per shape: Inductor's compile and the graph capture); a pass is skipped,
+                 with a note, when the budget left is under its need (native-whole: 90 s). The other sections
+                 use the first pass listed that is not native-whole (compiling the whole forward takes
+                 minutes on a real shape; it is timed here alone)
     llama8b      (--llama8b) a Llama-3.1-8B-shaped target with random bf16 weights built on the GPU, and a
                  random drafter of its shape: steps, roofline, target passes side by side, engine and chain
                  tok/s — timing only
 
-Prints one JSON line and writes it to --out. Example (the lead's H200 run):
+Prints one JSON line and writes it to --out; after every section (and every pass) the figures so far
+are written to --out with "partial": true, and a progress line goes to stderr, so a run killed by an
+outer timeout still leaves what it measured. Example (the lead's H200 run):
     python benchmarks/bench_decode.py --target gemma-3-270m --drafter runs/train/final --device cuda \\
         --dtype bf16 --prompts-n 20 --max-new-tokens 256 --llama8b --budget-s 540 --out bench.json
 `--target random:gemma-3-270m` (or random:llama-3.1-8b) builds that shape with random weights and no
@@ -41,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import platform
 import statistics
@@ -119,11 +125,21 @@ def parse_args(argv=None):
 
 
 class Budget:
-    """Runs sections in order, each guarded: errors are recorded, and nothing starts past the budget."""
+    """Runs sections in order, each guarded: errors are recorded, and nothing starts past the budget.
+    After each section the result so far is written to `out` (marked partial) and a line goes to stderr:
+    a compile cannot be interrupted from inside, so an outer timeout may kill the run mid-section."""
 
-    def __init__(self, seconds: float):
+    def __init__(self, seconds: float, out: str | None = None, head: dict | None = None):
         self.t0, self.seconds = time.perf_counter(), seconds
         self.result: dict = {}
+        self.out, self.head = out, head or {}
+
+    def checkpoint(self, note: str) -> None:
+        """Progress to stderr and the figures so far to `out` (the final emit overwrites them)."""
+        print(f"[bench_decode {time.perf_counter() - self.t0:7.1f} s] {note}", file=sys.stderr, flush=True)
+        if self.out:
+            with open(self.out, "w") as f:
+                f.write(json.dumps({**self.head, **self.result, "partial": True}, default=str) + "\n")
 
     def left(self) -> float:
         return self.seconds - (time.perf_counter() - self.t0)
@@ -146,6 +162,8 @@ class Budget:
         finally:
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
+            done = self.result.get(name, {})
+            self.checkpoint(f"{name}: " + ("error" if "error" in done else f"{done.get('seconds', 0):.1f} s"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -227,8 +245,20 @@ def pass_config(tp: str) -> dict:
     return {"target_pass": "native", "native_compile": "whole"} if tp == "native-whole" else {"target_pass": tp}
 
 
+# What a pass needs left of the budget before it starts: native-whole compiles the whole forward per shape
+# (1-, 4-, 8-token passes and each prefill length), minutes on a real shape before its first figure.
+PASS_NEED_S = {"native-whole": 90.0}
+
+
+def sync(dev) -> None:
+    if getattr(dev, "type", dev) == "cuda":
+        torch.cuda.synchronize()
+
+
 def first_pass(args) -> str:
-    return getattr(args, "target_passes", None)[0] if getattr(args, "target_passes", None) else "auto"
+    """The pass the sections other than target_pass use: the first listed that is not native-whole."""
+    passes = getattr(args, "target_passes", None) or ["auto"]
+    return next((tp for tp in passes if tp != "native-whole"), passes[0])
 
 
 def engines(target, drafter, args, depth: int, max_len: int = 1024, target_pass: str | None = None):
@@ -305,10 +335,12 @@ def section_steps(target, drafter, args, hbm: float) -> dict:
     return out
 
 
-def section_target_pass(target, drafter, prompts, args, hbm: float, stop_ids=()) -> dict:
+def section_target_pass(target, drafter, prompts, args, hbm: float, stop_ids=(), budget: Budget | None = None) -> dict:
     """Each --target-pass on the same target in the same run (issue 24): step, verify 4 / 8 (aux capture off
     and on), prefill ms and tokens/s, and the no-speculation engine's tok/s; one pass failing (e.g. native
-    asked of an architecture without one) is recorded under its name and the others still run."""
+    asked of an architecture without one) is recorded under its name and the others still run. warmup_s:
+    the seconds to build a pass's engines and make the first call of each shape (compile, graph capture),
+    which a serving process pays once; a pass the budget cannot fit is skipped with a note."""
     from draftport.decode.engine import EngineConfig, SpecEngine
 
     dev = target.device
@@ -320,12 +352,28 @@ def section_target_pass(target, drafter, prompts, args, hbm: float, stop_ids=())
     out: dict = {"hbm_floor_ms": floor_ms, "passes": args.target_passes}
     for tp in args.target_passes:
         row: dict = {}
+        need = PASS_NEED_S.get(tp, 10.0)
+        if budget is not None and budget.left() < need:
+            out[tp] = {"skipped": f"time budget ({budget.left():.0f} s left, needs ~{need:.0f} s)"}
+            budget.result["target_pass"] = out
+            budget.checkpoint(f"target_pass {tp}: skipped")
+            continue
+        t_pass = time.perf_counter()
         try:
+            warm = row["warmup_s"] = {}
+            t = time.perf_counter()
             base, spec = engines(target, drafter, args, depth=args.depth, max_len=max_len, target_pass=tp)
+            warm["engines"] = round(time.perf_counter() - t, 2)
             row["resolved"] = base.target_pass_kind
             for T in (1, 4, 8):
                 ids = torch.zeros(T, dtype=torch.long, device=dev)
                 tril = torch.ones(T, T, dtype=torch.bool, device=dev).tril()
+                t = time.perf_counter()
+                base.target_pass(ids, n, ar[:T], tril)
+                if spec is not None:
+                    spec.target_pass(ids, n, ar[:T], tril)
+                sync(dev)
+                warm[f"target_{T}"] = round(time.perf_counter() - t, 2)
                 row[f"target_{T}_ms"] = time_call(lambda: base.target_pass(ids, n, ar[:T], tril), dev, args.repeats)
                 if spec is not None:
                     row[f"target_{T}_aux_ms"] = time_call(lambda: spec.target_pass(ids, n, ar[:T], tril), dev,
@@ -340,6 +388,10 @@ def section_target_pass(target, drafter, prompts, args, hbm: float, stop_ids=())
             for P in lens:
                 ids = torch.randint(10, target.vocab_size, (P,), device=dev)
                 causal = torch.ones(P, P, dtype=torch.bool, device=dev).tril()
+                t = time.perf_counter()
+                eng.target_pass(ids, zero, ar[:P], causal, graphed=False, last_logits=True)
+                sync(dev)
+                warm[f"prefill_{P}"] = round(time.perf_counter() - t, 2)
                 ms = time_call(lambda: eng.target_pass(ids, zero, ar[:P], causal, graphed=False, last_logits=True),
                                dev, max(3, args.repeats // 5))
                 row[f"prefill_{P}_ms"] = ms
@@ -355,11 +407,15 @@ def section_target_pass(target, drafter, prompts, args, hbm: float, stop_ids=())
         except Exception as exc:  # keep the other passes' figures
             row["error"] = f"{type(exc).__name__}: {exc}"[:500]
             row["trace"] = traceback.format_exc(limit=4)[-1500:]
+        row["seconds"] = round(time.perf_counter() - t_pass, 2)
         out[tp] = row
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    ok = [tp for tp in args.target_passes if "error" not in out[tp]]
+        if budget is not None:
+            budget.result["target_pass"] = out  # the passes so far, in the partial file
+            budget.checkpoint(f"target_pass {tp}: " + ("error" if "error" in row else f"{row['seconds']:.1f} s"))
+    ok = [tp for tp in args.target_passes if "error" not in out[tp] and "skipped" not in out[tp]]
     if "hf" in ok and len(ok) > 1:  # each other pass against the HF modules
         for tp in ok:
             if tp != "hf":
@@ -552,8 +608,8 @@ def machine_info(args) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    budget = Budget(args.budget_s)
     result = {"bench": "decode", "args": vars(args), "machine": machine_info(args)}
+    budget = Budget(args.budget_s, args.out, result)
     from draftport.model.target import load_target, resolve_device, resolve_dtype
 
     dev = resolve_device(args.device)
@@ -582,7 +638,7 @@ def main(argv=None) -> int:
             prompts = random_prompts(target, args.prompts_n)
         budget.run("steps", section_steps, target, drafter, args, args.hbm_bytes_per_s)
         budget.run("target_pass", section_target_pass, target, drafter, prompts, args, args.hbm_bytes_per_s,
-                   stop_ids, need_s=30)
+                   stop_ids, budget, need_s=30)
         if args.profile:
             budget.run("profile", section_profile, target, drafter, args)
         budget.run("engine", section_engine, target, drafter, prompts, args, stop_ids, need_s=30)

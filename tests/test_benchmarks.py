@@ -39,11 +39,37 @@ def test_bench_decode_times_every_pass_and_profiles_each(bench_path, tmp_path):
     assert tp["passes"] == ["hf", "native", "native-whole"]
     assert all(tp[p]["step_ms"] > 0 and tp[p]["prefill_16_tok_s"] > 0 for p in tp["passes"])
     assert [tp[p]["resolved"] for p in tp["passes"]] == ["hf", "native", "native"]
+    # the compile / capture cost of each pass, by shape, beside its steady-state figures
+    assert all(set(tp[p]["warmup_s"]) == {"engines", "target_1", "target_4", "target_8", "prefill_16"}
+               for p in tp["passes"])
     # one kernel table per pass and token count: the before and after of a change side by side
     assert set(r["profile"]) - {"seconds"} == {"hf", "native", "native-whole"}
     headers = [line for line in prof.read_text().splitlines() if line.startswith("## ")]
     assert headers == [f"## {p}: {T}-token target pass, 10 calls, eager" for p in tp["passes"] for T in (1, 8)]
     assert r["engine"]["plain"]["tok_s"] > 0 and r["engine"]["chain"]["new_tokens"] > 0
+
+
+def test_bench_decode_keeps_the_whole_compile_to_its_own_section_and_leaves_partial_figures(bench_path, tmp_path):
+    """native-whole listed first still leaves the other sections on a pass that compiles fast; a pass the
+    budget cannot fit is skipped with a note; the figures so far reach --out before the run ends."""
+    import argparse
+
+    import bench_decode
+
+    args = argparse.Namespace(target_passes=["native-whole", "hf"])
+    assert bench_decode.first_pass(args) == "hf"
+    assert bench_decode.first_pass(argparse.Namespace(target_passes=["native-whole"])) == "native-whole"
+    out = tmp_path / "partial.json"
+    budget = bench_decode.Budget(0.0, str(out), {"bench": "decode"})
+    from draftport.model.target import tiny_target
+
+    t = tiny_target("gemma3")
+    r = bench_decode.section_target_pass(t, None, [[5, 6, 7]], argparse.Namespace(
+        target_passes=["native-whole", "hf"], prefill_lens=[8], depth=3, repeats=1, max_new_tokens=4),
+        1e12, budget=budget)
+    assert all("time budget" in r[p]["skipped"] for p in ("native-whole", "hf"))
+    partial = _last_json(out)
+    assert partial["partial"] is True and partial["bench"] == "decode" and "hf" in partial["target_pass"]
 
 
 def test_bench_decode_refuses_an_unknown_pass(bench_path, capsys):
