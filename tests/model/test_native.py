@@ -20,7 +20,8 @@ import torch
 
 from draftport.decode.batch import RowCache, row_masks
 from draftport.decode.graphs import SlotCache, attention_layout
-from draftport.model.native import NativeDecoder, native_decoder, unsupported_reason
+from draftport.model import native
+from draftport.model.native import NativeDecoder, attend, native_decoder, unsupported_reason
 from draftport.model.target import tiny_target
 
 FAMILIES = ["llama", "qwen2", "qwen3", "gemma3"]
@@ -95,8 +96,11 @@ def _run(dec, cache, seq, start: int, end: int, S: int, aux_ids, logits="all"):
                            logits=logits)
 
 
+@pytest.mark.parametrize("small_rows", [64, 0], ids=["matmul-attention", "sdpa"])
 @pytest.mark.parametrize("family", VARIANTS)
-def test_prefill_step_and_verify_match_hf(targets, family):
+def test_prefill_step_and_verify_match_hf(targets, family, small_rows, monkeypatch):
+    """Both attention paths: the small-query matmuls (every pass here has ≤ 64 folded rows) and SDPA."""
+    monkeypatch.setattr(native, "SMALL_QUERY_ROWS", small_rows)
     t = targets[family]
     total, P, k, S = 22, 12, 4, 32
     seq = _seq(1, total)
@@ -147,6 +151,24 @@ def test_gemma3_sliding_window_and_rope_bases():
         wide = dec.forward(seq, pos[None], _masks(t.model, pos, S, full_only=True), cache)
     assert torch.allclose(wide.logits[0, :8], ref_logits[:8], atol=ATOL)   # inside the window: the same
     assert (wide.logits[0, 8:] - ref_logits[8:]).abs().max() > 1e-2        # past it: not
+
+
+@pytest.mark.parametrize("G,T", [(4, 1), (4, 8), (2, 40)])
+def test_small_query_attention_equals_sdpa(G, T, monkeypatch):
+    """attend's matmul path == SDPA on the same folded rows, with a bool and an additive mask (fp32), the
+    mask given per row or as one row broadcast."""
+    g = torch.Generator().manual_seed(G * 100 + T)
+    B, Hkv, S, D = 2, 2, 48, 16
+    q = torch.randn(B, Hkv * G, T, D, generator=g)
+    k, v = torch.randn(B, Hkv, S, D, generator=g), torch.randn(B, Hkv, S, D, generator=g)
+    ok = torch.rand(B, 1, G * T, S, generator=g) < 0.7
+    ok[..., 0] = True  # every row sees a key
+    for mask in (ok, torch.zeros(ok.shape).masked_fill(~ok, torch.finfo(torch.float32).min), ok[:, :, :1]):
+        monkeypatch.setattr(native, "SMALL_QUERY_ROWS", 0)
+        want = attend(q, k, v, mask, 0.3)
+        monkeypatch.setattr(native, "SMALL_QUERY_ROWS", 64)
+        got = attend(q, k, v, mask, 0.3)
+        assert got.shape == (B, T, Hkv * G * D) and torch.allclose(got, want, atol=1e-5)
 
 
 def test_weights_are_shared_not_copied():
