@@ -125,8 +125,8 @@ def test_grouped_sdpa_equals_hf_sdpa_with_tree_masks(family, monkeypatch):
     t = tiny_target(family)
     text = t.model.config
     G = text.num_attention_heads // text.num_key_value_heads
-    eng_ref = SpecEngine(t, None, EngineConfig(max_len=48, fuse=False))
-    eng = SpecEngine(t, None, EngineConfig(max_len=48, fuse=False))
+    eng_ref = SpecEngine(t, None, EngineConfig(max_len=48, fuse=False, target_pass="hf"))
+    eng = SpecEngine(t, None, EngineConfig(max_len=48, fuse=False, target_pass="hf"))
     eng.fused = FusedTarget(t.model, compile=False)
     assert eng.fused.report["grouped_sdpa_configs"] == 1
     shapes = []
