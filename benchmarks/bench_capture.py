@@ -29,6 +29,7 @@ import torch
 
 from draftport.train.capture import SHARD_BYTES, capture_shard, length_batches, plan_shards
 from draftport.data.store import StoreWriter, bytes_per_token
+from draftport.decode.evaluate import sync
 
 SHAPES = {
     # random weights of real shapes (no hub here); enough to time prefill and storage
@@ -63,11 +64,6 @@ def build_shaped_target(shape: str, device: str, dtype: torch.dtype):
         finally:
             torch.set_default_dtype(prev)
     return HFTarget(model, tokenizer=None, source=f"<random {shape}>")
-
-
-def sync(device) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
 
 
 def padded(ids: list[np.ndarray], device):

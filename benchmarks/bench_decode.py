@@ -58,7 +58,7 @@ import traceback
 
 import torch
 
-from draftport.decode.evaluate import EvalConfig, decode_rate, hf_generate_rate, load_drafter_for, run_eval, time_call
+from draftport.decode.evaluate import EvalConfig, decode_rate, hf_generate_rate, load_drafter_for, run_eval, sync, time_call
 from emit import emit
 
 HBM_BYTES_PER_S = 4.8e12  # H200 HBM3e peak
@@ -248,11 +248,6 @@ def pass_config(tp: str) -> dict:
 # What a pass needs left of the budget before it starts: native-whole compiles the whole forward per shape
 # (1-, 4-, 8-token passes and each prefill length), minutes on a real shape before its first figure.
 PASS_NEED_S = {"native-whole": 90.0}
-
-
-def sync(dev) -> None:
-    if getattr(dev, "type", dev) == "cuda":
-        torch.cuda.synchronize()
 
 
 def first_pass(args) -> str:

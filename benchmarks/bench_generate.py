@@ -34,6 +34,7 @@ import torch
 from draftport.data.chat import encode_prompt, resolve_chat_template, stop_token_ids
 from draftport.data.conversations import load_conversations
 from draftport.decode.batch import BatchConfig, BatchGenerator
+from draftport.decode.evaluate import sync
 from draftport.model.target import load_target
 from draftport.train.regenerate import generate_ids_hf
 from emit import emit
@@ -73,11 +74,6 @@ def first_turn_prompts(target, data: str, n: int, template, max_len: int, offset
         if len(out) == n:
             break
     return out
-
-
-def sync(dev):
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def timed(fn, dev):

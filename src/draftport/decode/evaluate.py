@@ -178,9 +178,11 @@ def encode_prompts(target, convs, chat_template: str | None, max_len: int | None
 # Measurements
 # ---------------------------------------------------------------------------------------------
 
-def _sync(device) -> None:
+def sync(device) -> None:
+    """Wait for the device's queued work (a torch.device or its name); the benchmarks time with it too."""
     import torch
 
+    device = torch.device(device)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -196,11 +198,11 @@ def time_call(fn, device, repeats: int, warmup: int = 2, inner: int = 1, samples
     times = []
     inner = max(1, inner) if getattr(device, "type", device) == "cuda" else 1
     for _ in range(max(1, repeats)):
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         for _ in range(inner):
             fn()
-        _sync(device)
+        sync(device)
         times.append(1000.0 * (time.perf_counter() - t0) / inner)
     if samples is not None:  # the caller reports the spread beside the median (a shared machine is noisy)
         samples.extend(times)
@@ -321,12 +323,12 @@ def hf_generate_rate(target, prompt_ids: list[int], n_new: int, stop_ids: list[i
             kw.update(temperature=temperature, top_p=top_p, top_k=0)
         kw.update(extra or {})
         torch.manual_seed(seed)
-        _sync(dev)
+        sync(dev)
         t0 = time.perf_counter()
         with torch.no_grad():
             out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
                                  generation_config=GenerationConfig(**kw))
-        _sync(dev)
+        sync(dev)
         return time.perf_counter() - t0, int(out.shape[1] - ids.shape[1])
 
     t1, _ = run(1)

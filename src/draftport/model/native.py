@@ -291,7 +291,7 @@ class NativeDecoder:
             raise ValueError(f"layers use different activations ({sorted(a.__name__ for a in acts)})")
         plain_out = functools.partial(attn_out_mlp, act=self.layers[0].act, eps=self.eps,
                                       unit_offset=self.unit_offset, sandwich=self.sandwich)
-        # {compiled?: (attn_in, attn_out_mlp)}: both kept, so an engine with fusion off still runs the plain
+        # {compiled?: (attn_in, attend, attn_out_mlp)}: both kept, so an engine with fusion off still runs the plain
         # functions after another engine over the same model switched compilation on
         self._fns = {False: (plain_in, attend, plain_out)}
         self._whole = None  # the whole pass compiled (enable_compile("whole"))
