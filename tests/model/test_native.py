@@ -127,6 +127,24 @@ def test_prefill_step_and_verify_match_hf(targets, family, small_rows, monkeypat
     assert torch.allclose(last.logits[0, 0], ref_logits[P - 1], atol=ATOL)
 
 
+@pytest.mark.parametrize("small_rows", [64, 8])
+def test_calls_sdpa_says_which_passes_reach_sdpa(targets, small_rows, monkeypatch):
+    """calls_sdpa(T) (what the engine uses to capture SDPA's kernel variants only where there is a kernel to
+    choose) agrees with whether a pass of T tokens really calls SDPA, across the threshold."""
+    monkeypatch.setattr(native, "SMALL_QUERY_ROWS", small_rows)
+    calls = []
+    real = native.F.scaled_dot_product_attention
+    monkeypatch.setattr(native.F, "scaled_dot_product_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    t = targets["llama"]
+    dec = NativeDecoder(t.model, positions=32)
+    G = dec.hq // dec.hkv
+    assert G > 1  # the threshold counts folded rows, G per token
+    for T in (1, 4, 12):
+        calls.clear()
+        _run(dec, SlotCache(t.num_layers, 32), _seq(2, T), 0, T, 32, ())
+        assert bool(calls) == dec.calls_sdpa(T) == (G * T > small_rows), (T, G)
+
+
 def test_gemma3_sliding_window_and_rope_bases():
     """A 24-token prompt over a window of 8, with query_pre_attn_scalar 24 (not head_dim 16) and distinct
     local / global RoPE bases: native == HF, while the same pass with the window dropped differs (so the

@@ -281,7 +281,9 @@ class SpecEngine:
         fn = self._target_fn(with_aux, last_logits)
         args = (ids[None], n, depths, tree_mask)
         if graphed:
-            out = self.graphs.call_target(f"target{int(with_aux)}{'_last' if last_logits else ''}", fn, *args)
+            sdpa = self.native is None or self.native.calls_sdpa(ids.shape[0])
+            out = self.graphs.call_target(f"target{int(with_aux)}{'_last' if last_logits else ''}", fn, *args,
+                                          sdpa=sdpa)
         else:
             out = self.graphs.eager_target(fn, *args)
         return out[0], (out[1] if with_aux else None)

@@ -148,6 +148,7 @@ class GraphSet:
     def __init__(self, enabled: bool, sdpa: str = "auto"):
         self.enabled, self.sdpa = enabled, sdpa
         self.graphs: dict[tuple, Graphed] = {}
+        self.no_sdpa: set[tuple] = set()  # graphed target passes that call no SDPA (native small-query attention)
         if sdpa == "auto" and enabled:
             self.target_variants = tuple(functools.partial(sdpa_context, c) for c in ("default", "efficient", "math"))
         else:
@@ -171,9 +172,13 @@ class GraphSet:
             g = self.graphs[key] = Graphed(fn, self.enabled, pool, variants)
         return g(*args)
 
-    def call_target(self, name: str, fn, *args: torch.Tensor):
-        """A target pass: graphed under the attention-kernel variants."""
-        return self.call(name, fn, *args, variants=self.target_variants)
+    def call_target(self, name: str, fn, *args: torch.Tensor, sdpa: bool = True):
+        """A target pass: graphed under the attention-kernel variants; sdpa=False (the pass calls no SDPA)
+        captures it once, since the variants' graphs would be the same and the timed choice only noise."""
+        if sdpa:
+            return self.call(name, fn, *args, variants=self.target_variants)
+        self.no_sdpa.add(self.key(name, *args))
+        return self.call(name, fn, *args)
 
     def eager_target(self, fn, *args: torch.Tensor):
         """A target pass run eagerly (the prefill) under the first kernel choice."""
@@ -189,10 +194,11 @@ class GraphSet:
         self.graphs.pop(self.key(name, *args), None)
 
     def sdpa_choices(self) -> dict[str, str]:
-        """The attention kernel each graphed target pass ended up with, by token count ("auto" timing)."""
+        """The attention kernel each graphed target pass ended up with, by token count ("auto" timing);
+        "matmul" for a pass that calls no SDPA."""
         names = ("default", "efficient", "math") if len(self.target_variants) > 1 else (self.sdpa,)
-        return {f"{k[0]}_T{k[1][1]}": names[g.choice] for k, g in self.graphs.items()
-                if k[0].startswith("target") and g.choice is not None}
+        return {f"{k[0]}_T{k[1][1]}": "matmul" if k in self.no_sdpa else names[g.choice]
+                for k, g in self.graphs.items() if k[0].startswith("target") and g.choice is not None}
 
 
 def _replay_ms(graph, n: int = 10) -> float:

@@ -401,6 +401,11 @@ class NativeDecoder:
                 "compiled_scopes": [sc for sc in SCOPES if self.compiled_scope(sc)],
                 "rope_positions": self.positions, "compile_failures": fails}
 
+    def calls_sdpa(self, T: int) -> bool:
+        """Whether a pass of T query tokens reaches SDPA (else `attend`'s matmuls): the engine captures SDPA's
+        kernel choices only for passes that have one to choose."""
+        return (self.hq // self.hkv) * T > SMALL_QUERY_ROWS
+
     # -- the pass -----------------------------------------------------------------------------
     def _masks(self, masks, T: int) -> dict:
         """{layer type: mask laid out for `attend`'s folded query rows}, made once per pass (not per layer).
