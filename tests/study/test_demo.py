@@ -182,7 +182,7 @@ def test_report_states_machine_spread_errors_and_transfer(tmp_path):
     assert "simulated τ, held-out validation samples" in md and "offline τ, all captured samples" in md
     # will it transfer: the committed GPU study, labelled, with its command
     assert "6. Will it transfer? (not measured in this run: the committed GPU study)" in md
-    assert "| plug-in | 0 | 1.20 | 1.21 | 490 | 595 | 0.82 |" in md and GPU_STUDY_COMMAND in md
+    assert "| plug-in | 0 | 1.33 | 1.31 | 1.20 | 715 | 780 | 0.92 |" in md and GPU_STUDY_COMMAND in md
     # the check rows carry a short key, not the 90-character pair name
     check_rows = [ln for ln in md.splitlines() if ln.startswith(("| replace |", "| fit |"))]
     assert check_rows and not any("drafter-" in ln.split("|")[1] for ln in check_rows)

@@ -201,9 +201,10 @@ def floor_tables(ev: dict) -> list:
 # the probe cannot run within its CPU budget (see transfer_section).
 GPU_STUDY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets",
                          "gpu-study-summary.json")
-GPU_STUDY_COMMAND = ("DRAFTPORT_GGUF=gemma-3-270m-q4_k_m.gguf DRAFTPORT_PROMPTS=prompts.jsonl DRAFTPORT_CODE=code.jsonl "
-                     "DRAFTER_A=train-a/final A_SAMPLES=1000 B_STEPS=150 STUDY_SAMPLES=300 STUDY_SIZES=100,300 "
-                     "STUDY_STEPS=200 EVAL_PROMPTS=5 bash examples/gpu_study.sh")
+GPU_STUDY_COMMAND = ("DRAFTPORT_GGUF=gemma-3-270m-q4_k_m.gguf DRAFTPORT_PROMPTS=data/prompts.jsonl "
+                     "DRAFTPORT_CHAT_DATA=data/chat.jsonl DRAFTPORT_CODE=data/code.jsonl A_PROMPTS=4000 A_STEPS=200 "
+                     "STUDY_PROMPTS=2000 bash examples/gpu_study.sh")
+GPU_STUDY_COMMIT = "f3c651e"
 # Isolated timings and the decoding's own rates disagreeing by more than this factor means the machine
 # was busy with other work during one of them (a shared CPU): the run's timings are not comparable.
 CONTENDED_RATIO = 1.5
@@ -329,23 +330,26 @@ def transfer_section(study_path: str = GPU_STUDY):
 
     st = read_json(study_path)
     rate = lambda v: None if v is None else round(v)  # noqa: E731  (tok/s: whole tokens are precision enough)
-    rows = [[r["drafter"], r["samples"], r.get("offline_accept_len"), r.get("accept_len"), rate(r.get("tok_s")),
-             rate(r.get("baseline_tok_s")), r.get("speedup")] for r in st["rows"]]
+    rows = [[r["drafter"], r.get("tokens", 0), r.get("offline_accept_len"), r.get("accept_len"),
+             r.get("floor_accept_len"), rate(r.get("tok_s")), rate(r.get("baseline_tok_s")), r.get("speedup")]
+            for r in st["rows"]]
     sim = [[f"layer {k}", v.get("cosine_mean"), v.get("cka"), v.get("norm_ratio")] for k, v in st["similarity"].items()]
     return Section("6. Will it transfer? (not measured in this run: the committed GPU study)", paragraphs=[
         "This run does not measure transfer: that needs a second target that is a real derivative of "
-        f"{os.path.basename(str(st['target_a']))} (a fine-tuned copy), and fine-tuning Gemma-3-270M on this CPU "
-        "does not fit the demo's ten-minute budget. The tables below are NOT from this run: they are the "
-        "committed port study measured on one NVIDIA H200 (docs/gpu-study/summary.json), where target B is "
-        "target A after 150 steps of continued training on ShareGPT code conversations, and A's drafter is "
-        "plugged into B as is, fine-tuned on B's answers (transfer) or trained from scratch.",
+        "the first (a fine-tuned copy), and fine-tuning Gemma-3-270M on this CPU does not fit the demo's "
+        "ten-minute budget. The tables below are NOT from this run: they are the committed port study measured "
+        "on one NVIDIA H100 (docs/gpu-study/summary.json). Target A is Gemma-3-270M fine-tuned into a chat model "
+        "(examples/make_chat_target.py); target B is A after 400 more steps on ShareGPT code conversations "
+        "(examples/make_derivatives.py, the most drifted of its derivatives); A's drafter is plugged into B as is, "
+        "fine-tuned on B's answers (transfer) or trained from scratch, on 62.5k to 1M training tokens, each beside "
+        "the training-free prompt-lookup floor of the same run.",
         f"Plug-in: A's drafter keeps offline τ {st['plugin_accept_len']:.2f} on B of its {st['accept_len_a']:.2f} on A.",
-        f"The command that produced it (examples/gpu_study.sh as of commit e996f81): {GPU_STUDY_COMMAND}. On your "
-        "own pair of targets: draftport probe "
+        f"The command that produced it (examples/gpu_study.sh as of commit {GPU_STUDY_COMMIT}): {GPU_STUDY_COMMAND}. "
+        "On your own pair of targets: draftport probe "
         "--target-a A --target-b B --data sharegpt --drafter A_DRAFTER (similarity and plug-in τ), or draftport "
         "study (the whole comparison)."],
-        tables=[Table(["drafter on B (GPU study)", "samples", "τ offline", "τ online", "tok/s", "no speculation",
-                       "speedup"], rows, float_format="{:.2f}"),
+        tables=[Table(["drafter on B (GPU study)", "training tokens", "τ offline", "τ online", "floor τ", "tok/s",
+                       "no speculation", "speedup"], rows, float_format="{:.2f}"),
                 Table(["aux layer (GPU study)", "cosine A vs B", "linear CKA", "norm ratio B/A"], sim,
                       float_format="{:.4f}")])
 
