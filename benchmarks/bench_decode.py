@@ -60,6 +60,7 @@ import torch
 
 from draftport.decode.evaluate import EvalConfig, decode_rate, hf_generate_rate, load_drafter_for, run_eval, sync, time_call
 from emit import emit
+from profiling import kernel_profile
 
 HBM_BYTES_PER_S = 4.8e12  # H200 HBM3e peak
 SHAPES = {
@@ -426,8 +427,6 @@ def section_profile(target, drafter, args) -> dict:
     --target-pass: where a step's time goes under each (the before and after of a change), to weigh against
     the HBM floor before changing anything. Eager = no CUDA graph, so each kernel shows; a compiled pass runs
     its compiled region (its fused kernels are what the table counts)."""
-    from torch.profiler import ProfilerActivity, profile
-
     from draftport.decode.engine import EngineConfig, SpecEngine
 
     tables, out = [], {}
@@ -436,26 +435,17 @@ def section_profile(target, drafter, args) -> dict:
         dev = eng.device
         n = torch.tensor(256, dtype=torch.long, device=dev)
         ar = torch.arange(eng.S, device=dev)
-        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
         row = out[tp] = {}
         for T in (1, 8):
             ids = torch.zeros(T, dtype=torch.long, device=dev)
             tril = torch.ones(T, T, dtype=torch.bool, device=dev).tril()
             for _ in range(3):
                 eng.target_pass(ids, n, ar[:T], tril, graphed=False)
-            with profile(activities=acts) as prof:
-                for _ in range(10):
-                    eng.target_pass(ids, n, ar[:T], tril, graphed=False)
-                if dev.type == "cuda":
-                    torch.cuda.synchronize()
-            key = "self_cuda_time_total" if dev.type == "cuda" else "self_cpu_time_total"
-            evs = prof.key_averages()
-            gpu = [e for e in evs if str(getattr(e, "device_type", "")).endswith("CUDA")]
-            row[f"kernels_per_pass_{T}"] = sum(e.count for e in gpu) / 10
-            # kernel time alone (no launch gaps): against the graphed step it says how launch-bound a pass is
-            row[f"kernel_ms_per_pass_{T}"] = sum(e.self_device_time_total for e in gpu) / 10 / 1e3
-            tables.append(f"## {tp}: {T}-token target pass, 10 calls, eager\n" +
-                          evs.table(sort_by=key, row_limit=25, max_name_column_width=60))
+            figures, table = kernel_profile(lambda: eng.target_pass(ids, n, ar[:T], tril, graphed=False), dev,
+                                            title=f"{tp}: {T}-token target pass, 10 calls, eager")
+            row[f"kernels_per_pass_{T}"] = figures["kernels_per_call"]
+            row[f"kernel_ms_per_pass_{T}"] = figures["kernel_ms_per_call"]
+            tables.append(table)
         del eng
     with open(args.profile, "w") as f:
         f.write("\n\n".join(tables))

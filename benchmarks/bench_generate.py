@@ -11,6 +11,10 @@ autotuning are not in it):
               --target-pass values, batch_B_<pass> for each)
     big_B     the largest B over --big-n prompts (more prompts than rows: refill in steady state)
 
+    split_B   (--split) the prompts once more at the largest B, the time split into prefills, decode steps
+              (ms a step) and the host's share between them
+    profile_B (--profile FILE) kernels and kernel ms of one eager decode step of all B rows, tables to FILE
+
 greedy and, with --temperature > 0, sampled (several samples a prompt is the regeneration recipe).
 Also: the share of greedy answers identical between the engines (bf16 batched numerics differ a little,
 so this is a sanity figure, not the equality test: tests/decode/test_batch.py proves that in fp32).
@@ -38,6 +42,7 @@ from draftport.decode.evaluate import sync
 from draftport.model.target import load_target
 from draftport.train.regenerate import generate_ids_hf
 from emit import emit
+from profiling import kernel_profile
 
 
 def parse_args(argv=None):
@@ -57,6 +62,11 @@ def parse_args(argv=None):
     p.add_argument("--dtype", default=None)
     p.add_argument("--target-pass", default="auto",
                    help="batch engine's target forward, comma-separated to time several side by side: auto,hf,native")
+    p.add_argument("--split", action="store_true",
+                   help="greedy, largest batch: one more run of the prompts with its time split into prefill, "
+                        "decode steps (ms a step) and the host's share")
+    p.add_argument("--profile", default=None,
+                   help="greedy, largest batch: kernel tables of 10 eager decode steps of every row, to this file")
     p.add_argument("--out", default=None)
     return p.parse_args(argv)
 
@@ -87,6 +97,51 @@ def timed(fn, dev):
                   "answers": len(rows), "mean_answer": round(toks / max(1, len(rows)), 1)}
 
 
+def split_run(gen, prompts, args, stops, dev) -> dict:
+    """The prompts once more, greedy, with the wall time split: prefills (admitting prompts into free rows),
+    decode-step launches (graph replays, `check_every` a host look) and the rest, the host's bookkeeping
+    between them. Each part is synced, which adds a little to the total; it says where the time goes."""
+    spent = {"prefill": 0.0, "decode": 0.0, "decode_calls": 0}
+
+    def clocked(name, fn):
+        def run(*a, **k):
+            sync(dev)
+            t = time.perf_counter()
+            r = fn(*a, **k)
+            sync(dev)
+            spent[name] += time.perf_counter() - t
+            spent["decode_calls"] += name == "decode"
+            return r
+        return run
+
+    gen._prefill, gen._decode = clocked("prefill", gen._prefill), clocked("decode", gen._decode)
+    try:
+        _, fig = timed(lambda: gen.generate(prompts, args.max_new_tokens, stop_ids=stops), dev)
+    finally:  # the instance attributes go; the class's methods show through again
+        del gen._prefill, gen._decode
+    steps = spent["decode_calls"]
+    return {**fig, "prefill_s": round(spent["prefill"], 3), "decode_s": round(spent["decode"], 3),
+            "decode_steps": steps, "ms_per_step": round(1e3 * spent["decode"] / max(1, steps), 3),
+            "host_s": round(fig["seconds"] - spent["prefill"] - spent["decode"], 3)}
+
+
+def step_profile(gen, dev, title: str) -> tuple[dict, str]:
+    """Kernel table of 10 eager decode steps with every row active mid-row (what the graph replays). The rows'
+    state is set by hand and put back to idle after: the K/V written at each row's slot is never read, since
+    the next prefill of a row rewrites it before any query sees it."""
+    gen.cnt.zero_()
+    gen.limit.fill_(gen.S)
+    gen.pos.fill_(gen.S // 2)
+    gen.tok.zero_()
+    gen.done.fill_(False)
+    try:
+        for _ in range(3):
+            gen._step()
+        return kernel_profile(gen._step, dev, title=title)
+    finally:
+        gen.done.fill_(True)
+
+
 def run_hf(target, prompts, args, stops, temperature, samples):
     rows = []
     expanded = [p for p in prompts for _ in range(samples)]
@@ -112,6 +167,7 @@ def main(argv=None) -> int:
            "date": time.strftime("%Y-%m-%d"), "prompts": len(prompts),
            "mean_prompt": round(sum(map(len, prompts)) / max(1, len(prompts)), 1), "max_new_tokens": args.max_new_tokens,
            "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()}
+    tables: list[str] = []
     modes = [("greedy", 0.0, 1)] + ([("sampled", args.temperature, args.samples)] if args.temperature > 0 else [])
     for mode, temp, samples in modes:
         sec = res[mode] = {"temperature": temp, "samples_per_prompt": samples}
@@ -135,10 +191,19 @@ def main(argv=None) -> int:
                     _, sec[f"big_{B}{tag}"] = timed(lambda: gen.generate(big, args.max_new_tokens, stop_ids=stops,
                                                                          samples_per_prompt=samples), dev)
                     sec[f"big_{B}{tag}"]["x_hf"] = round(sec[f"big_{B}{tag}"]["tok_s"] / sec["hf"]["tok_s"], 2)
+                if B == sizes[-1] and mode == "greedy" and args.split:
+                    sec[f"split_{B}{tag}"] = split_run(gen, prompts, args, stops, dev)
+                if B == sizes[-1] and mode == "greedy" and args.profile:
+                    figures, table = step_profile(gen, dev, f"{tp}: batch decode step, {B} rows, 10 calls, eager")
+                    sec[f"profile_{B}{tag}"] = {k: round(v, 3) for k, v in figures.items()}
+                    tables.append(table)
                 del gen
                 if dev.type == "cuda":
                     torch.cuda.empty_cache()
         print(json.dumps({mode: sec}), flush=True)
+    if args.profile:
+        with open(args.profile, "w") as f:
+            f.write("\n\n".join(tables))
     emit(res, args.out)
     return 0
 

@@ -103,3 +103,34 @@ def test_bench_generate_runs_both_engines_on_the_same_prompts(bench_path, tmp_pa
         assert all(greedy[f"{run}_{tp}"]["tokens"] > 0 for run in ("batch_2", "batch_4", "big_4"))
         assert f"identical_to_hf_{tp}" in greedy
     assert all(r["sampled"][f"big_4_{tp}"]["answers"] > 6 for tp in ("hf", "native"))  # several answers a prompt
+
+
+def test_bench_generate_splits_the_time_and_profiles_the_batch_step(bench_path, tmp_path):
+    """--split: the run's time split into prefill, decode steps and the host, the parts adding up to the whole
+    and the step count one per generated column; --profile: a kernel table per pass at the largest batch, and
+    the generator left idle (a later generate answers as before)."""
+    import bench_generate
+
+    from draftport.decode.batch import BatchConfig
+    from draftport.model.target import tiny_target
+
+    t = tiny_target("llama", seed=0)
+    t.model.save_pretrained(tmp_path / "target")
+    t.tokenizer.save_pretrained(tmp_path / "target")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"turns": [f"Say {w}."]}) + "\n" for w in ("one", "two", "three")))
+    out, prof = tmp_path / "generate.json", tmp_path / "profile.txt"
+    assert bench_generate.main(["--target", str(tmp_path / "target"), "--prompts", str(prompts), "--n", "3",
+                                "--batch-sizes", "4", "--hf-batch", "4", "--max-new-tokens", "5", "--max-len", "64",
+                                "--device", "cpu", "--target-pass", "native", "--temperature", "0", "--split",
+                                "--profile", str(prof), "--out", str(out)]) == 0
+    g = _last_json(out)["greedy"]
+    s = g["split_4"]
+    assert s["answers"] == 3 and s["tokens"] == g["batch_4"]["tokens"]  # the same greedy answers as the timed run
+    assert s["prefill_s"] > 0 and s["decode_s"] > 0 and s["host_s"] >= 0
+    assert abs(s["prefill_s"] + s["decode_s"] + s["host_s"] - s["seconds"]) < 1e-2
+    ce = BatchConfig().check_every  # steps run between two host looks, so the count comes in whole runs of them
+    assert s["decode_steps"] % ce == 0 and ce <= s["decode_steps"] <= -(-5 // ce) * ce and s["ms_per_step"] > 0
+    assert g["profile_4"]["kernels_per_call"] == 0  # a CPU: the table ranks CPU ops, no kernels
+    text = prof.read_text()
+    assert text.startswith("## native: batch decode step, 4 rows, 10 calls, eager") and "aten::" in text
