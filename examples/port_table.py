@@ -78,7 +78,10 @@ def collect(out: str) -> dict:
                      "plugin_tok_s": ev.get("tok_s"), "baseline_tok_s": ev.get("baseline_tok_s"),
                      "floor_tau": floor.get("accept_len"), "floor_tok_s": floor.get("tok_s"),
                      "hybrid_tau": hybrid.get("accept_len"), "hybrid_tok_s": hybrid.get("tok_s"),
-                     "match_rate": ev.get("match_rate")})
+                     "match_rate": ev.get("match_rate"),
+                     # every captured layer, not the top one alone (issue 22 part 3: per-layer beside plug-in τ)
+                     "layers": {k: {m: v.get(m) for m in ("cosine_mean", "cosine_p5", "cka", "norm_ratio")}
+                                for k, v in sorted(probe["similarity"].items(), key=lambda kv: int(kv[0]))}})
     if not rows:
         raise DraftportError("no derivative with both port/B-*/probe/summary.json and port/B-*/eval/summary.json",
                              port)
@@ -137,6 +140,10 @@ def _f(x, fmt=".3f") -> str:
     return "–" if x is None else format(x, fmt)
 
 
+def _layer_cell(sim: dict | None) -> str:
+    return "–" if sim is None else f"{_f(sim.get('cosine_mean'), '.4f')} / {_f(sim.get('cka'), '.3f')}"
+
+
 def markdown(data: dict) -> str:
     from draftport.study.study import ratio_sentence, unit_label
 
@@ -154,6 +161,15 @@ def markdown(data: dict) -> str:
                      f"{_f(r['hybrid_tau'])} | {_f(r['plugin_tok_s'], '.1f')} | {_f(r['baseline_tok_s'], '.1f')} | "
                      f"{_f(keep, '.2f')}× |")
     out = ["\n".join(lines), ""]
+    ids = sorted({int(k) for r in data["rows"] for k in r.get("layers", {})})
+    if ids:  # the probe at every captured layer, each B beside its online plug-in τ
+        out += ["Per captured layer, cosine mean / linear CKA of B's states against A's on the same text:", "",
+                "| B | " + " | ".join(f"layer {i}" for i in ids) + " | plug-in τ online |",
+                "|---|" + "---|" * (len(ids) + 1)]
+        for r in data["rows"]:
+            cells = [_layer_cell(r.get("layers", {}).get(str(i))) for i in ids]
+            out.append(f"| {r['b']} | " + " | ".join(cells) + f" | {_f(r['plugin_tau'])} |")
+        out.append("")
     if a:
         out.append(f"A's drafter on A itself: τ {_f(a.get('tau'))} (floor {_f(a.get('floor_tau'))}, hybrid "
                    f"{_f(a.get('hybrid_tau'))}); the last column is each B's online plug-in τ over it.")

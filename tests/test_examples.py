@@ -472,6 +472,9 @@ def test_port_table(examples_path, tmp_path, capsys):
                         "1.720 | 1.620 | 1.480 | 1.920 | 600.0 | 550.0 | 0.95× |")
     assert [ln.split(" | ")[0] for ln in lines[2:5]] == ["| B-chat", "| B-code", "| B-long"] and "B-half" not in md
     assert "+1.00 (the probe orders the Bs as their plug-in τ does" in md
+    # every captured layer per B (in layer order, not the files' key order), beside the online plug-in τ
+    assert "| B | layer 2 | layer 9 | layer 15 | plug-in τ online |" in md
+    assert "| B-code | 0.9999 / 0.999 | 0.9900 / 0.950 | 0.9620 / 0.862 | 1.300 |" in md
     data = json.loads((tmp_path / "port.json").read_text())
     assert data["agreement"] == {"n": 3, "spearman": pytest.approx(1.0)} and data["study"] is None
     assert "Transfer against scratch" not in md
