@@ -19,6 +19,9 @@
 #           regenerated, SWEEP_STEPS each at equal samples, ranked by held-out simulated τ (depth 3) in
 #           $OUT/sweep/sweep.md; 3 points × 150 steps × 64 (≈ 2.7 M tokens each) ≈ 3–4 min on the H200
 #           at the train stage's 48 k tok/s
+#   repro   (only when named) a second chat target by the chat stage's command ($OUT/chat-target-2) and the
+#           prompt-lookup floor of both on MT-bench (EVAL_SAMPLES × EVAL_NEW_TOKENS, depth DEPTH), one engine, one
+#           call; examples/repro_table.py → $OUT/repro/repro.md (floor τ within ±0.05?) ≈ 3.5 min on one GPU
 # Pick stages with STAGES (or the first argument), comma-separated; default all. DRY_RUN=1 prints the commands.
 #
 # Inputs (nothing is downloaded):
@@ -52,7 +55,7 @@ SWEEP_GRID=${SWEEP_GRID:-lr=3e-4,1e-3,3e-3 ttt_steps=4}; SWEEP_STEPS=${SWEEP_STE
 STAGES=${1:-${STAGES:-all}}
 DRY_RUN=${DRY_RUN:-}
 ALL_STAGES="data chat train curve"
-OPT_STAGES="sweep"  # run only when named
+OPT_STAGES="sweep repro"  # run only when named
 
 for s in ${STAGES//,/ }; do  # a typo must not silently run nothing
   case " all $ALL_STAGES $OPT_STAGES " in *" $s "*) ;; *)
@@ -79,11 +82,15 @@ if want data; then
   lap "data"
 fi
 
-if want chat; then
-  if [ -f "$CHAT/make_chat_target.json" ]; then echo "gpu_recipe: chat: $CHAT exists, skipped"; else
-    run "$PY" examples/make_chat_target.py --target-a "$BASE" --data "$CHAT_DATA" --out "$CHAT" \
+make_chat() {  # $1: the chat target's folder (the repro stage builds a second one by the same command)
+  if [ -f "$1/make_chat_target.json" ]; then echo "gpu_recipe: chat: $1 exists, skipped"; else
+    run "$PY" examples/make_chat_target.py --target-a "$BASE" --data "$CHAT_DATA" --out "$1" \
         --steps "$CHAT_STEPS" --batch-size "$CHAT_BATCH" --max-len "$CHAT_MAX_LEN" --num-convs "$CHAT_CONVS" --device "$DEVICE"
   fi
+}
+
+if want chat; then
+  make_chat "$CHAT"
   lap "chat target"
 fi
 
@@ -109,5 +116,20 @@ if named sweep; then
       --grid "$SWEEP_GRID" --steps "$SWEEP_STEPS" --equal-tokens --set batch_size="$TRAIN_BATCH" --set max_len="$MAX_LEN" \
       --set lm_head_from_target=true --device "$DEVICE" --out "$OUT/sweep"
   lap "sweep"
+fi
+if named repro; then
+  # issue 21's reproducibility: a second chat target from the same examples and seed, and the floor (prompt
+  # lookup) of both on the same prompts by the same engine in one call; examples/repro_table.py compares them
+  make_chat "$CHAT"
+  make_chat "$OUT/chat-target-2"
+  for t in chat-target chat-target-2; do
+    if [ -f "$OUT/repro/$t/summary.json" ]; then echo "gpu_recipe: repro: $t's floor exists, skipped"; else
+      run "$PY" -m draftport eval --target "$OUT/$t" --drafter ngram --chat-template gemma --prompts mt-bench \
+          --max-samples "$EVAL_SAMPLES" --max-new-tokens "$EVAL_NEW_TOKENS" --depth "$DEPTH" --no-hf-baseline \
+          --device "$DEVICE" --out "$OUT/repro/$t"
+    fi
+  done
+  run "$PY" examples/repro_table.py "$OUT"
+  lap "repro"
 fi
 echo "gpu_recipe: stages '$STAGES' done in $(( $(date +%s) - t0 )) s ($OUT)"

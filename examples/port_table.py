@@ -210,13 +210,10 @@ def main(argv=None) -> int:
                 print(f"port_table: no probe to rank the derivatives by ({exc}); taking {args.default}", file=sys.stderr)
                 print(args.default)
             return 0
-        from draftport.safeio import atomic_write_bytes, atomic_write_json
+        from draftport.study.report import publish_table
 
         data = collect(args.out)
-        md = markdown(data)
-        atomic_write_bytes(os.path.join(args.out, "port.md"), md.encode("utf-8"))
-        atomic_write_json(os.path.join(args.out, "port.json"), data)
-        print(md)
+        publish_table(args.out, "port", markdown(data), data)
     except DraftportError as exc:
         return report("port_table", exc)
     return 0

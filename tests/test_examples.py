@@ -346,6 +346,56 @@ def test_gpu_recipe_dry_run_commands_parse(tmp_path):
     assert dry_run(tmp_path, "curve", script="gpu_recipe.sh", **env)[0] == cmds[4]
 
 
+def test_gpu_recipe_repro_stage_builds_a_second_target_and_compares_floors(tmp_path):
+    """`repro` (named only): the chat stage's very command again into chat-target-2, then one floor eval a
+    target through the CLI's parser, same settings for both, then the table; `all` does not run it."""
+    import shlex
+
+    from draftport.cli import build_parser
+
+    env = dict(DRAFTPORT_PROMPTS="/d/prompts.jsonl", DRAFTPORT_CHAT_DATA="/d/chat.jsonl", DRAFTPORT_GGUF="/m/g.gguf")
+    assert not any("chat-target-2" in c for c in dry_run(tmp_path, "all", script="gpu_recipe.sh", **env))
+    cmds = dry_run(tmp_path, "repro", script="gpu_recipe.sh", **env)
+    assert len(cmds) == 5 and cmds[1] == cmds[0].replace("/chat-target ", "/chat-target-2 ")
+    evals = [build_parser().parse_args(shlex.split(c)[3:]) for c in cmds[2:4]]
+    assert [a.target.rsplit("/", 1)[1] for a in evals] == ["chat-target", "chat-target-2"]
+    assert all(a.verb == "eval" and a.drafter == "ngram" and a.chat_template == "gemma" for a in evals)
+    assert {k: v for k, v in vars(evals[0]).items() if k not in ("target", "out")} == \
+        {k: v for k, v in vars(evals[1]).items() if k not in ("target", "out")}
+    assert cmds[4].endswith("repro_table.py " + str(tmp_path / "floor"))
+
+
+def test_repro_table(examples_path, tmp_path, capsys):
+    """The floor of two builds side by side: within or outside ±0.05, and no verdict at all when the two
+    targets' inputs or the two evals' settings differ; a missing file is one line naming it."""
+    from repro_table import main
+
+    def put(taus, shas=("9a5c", "9a5c"), depths=(3, 3)):
+        for t, tau, sha, depth in zip(("chat-target", "chat-target-2"), taus, shas, depths):
+            _put(tmp_path, f"{t}/make_chat_target.json", {"data_sha256": sha, "recipe": {"seed": 0}, "loss_first": 1.824,
+                                                          "loss_last_mean": 1.19, "weights_sha256": f"w{tau}"})
+            _put(tmp_path, f"repro/{t}/summary.json", {"accept_len": tau, "tok_s": 1000.0, "baseline_tok_s": 780.0,
+                                                      "match_rate": 0.4, "config": {"prompts": "mt-bench", "depth": depth,
+                                                                                    "max_samples": 10}})
+
+    assert main([str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "make_chat_target.json" in err[0] and "no such file" in err[0]
+    put((1.58, 1.55))
+    assert main([str(tmp_path)]) == 0
+    md = (tmp_path / "repro" / "repro.md").read_text()
+    assert "differs by 0.030 between the two builds: within the ±0.05 asked" in md
+    assert "| chat-target-2 | 9a5c | 0 | 1.824 | 1.190 | w1.55 | 1.550 | 1000.0 | 780.0 | 0.40 |" in md
+    put((1.58, 1.478))
+    assert main([str(tmp_path)]) == 0 and "0.102 between the two builds: outside" in capsys.readouterr().out
+    put((1.58, 1.55), shas=("9a5c", "686d"))
+    assert main([str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "repro" / "repro.json").read_text())
+    assert data["within"] is None and data["problems"] == ["the two targets were not made from the same examples and seed"]
+    put((1.58, 1.55), depths=(3, 1))
+    assert main([str(tmp_path)]) == 0 and "Not comparable: the two evals differ in their settings" in capsys.readouterr().out
+
+
 def test_derivative_chat_slices_start_after_what_was_read(examples_path, tmp_path):
     """B-chat starts after every conversation A's fine-tuning read (--chat-skip auto: A's record), B-long after
     every one B-chat read: a conversation skipped as unusable (no model turn within the cut) still counts as
