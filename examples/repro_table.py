@@ -18,6 +18,7 @@ import os
 import sys
 
 from draftport.errors import DraftportError, report
+from floor_table import fmt as _f  # the examples' one figure format ("–" for a missing one)
 from draftport.safeio import read_json
 from draftport.study.report import publish_table
 
@@ -48,10 +49,6 @@ def collect(out: str) -> dict:
     delta = None if problems else abs(a["floor_tau"] - b["floor_tau"])
     return {"rows": rows, "floor_delta": delta, "tolerance": FLOOR_TOLERANCE, "problems": problems,
             "within": None if delta is None else delta <= FLOOR_TOLERANCE}
-
-
-def _f(x, spec=".3f") -> str:
-    return "–" if x is None else format(x, spec)
 
 
 def markdown(data: dict) -> str:

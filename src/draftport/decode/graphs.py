@@ -148,7 +148,6 @@ class GraphSet:
     def __init__(self, enabled: bool, sdpa: str = "auto"):
         self.enabled, self.sdpa = enabled, sdpa
         self.graphs: dict[tuple, Graphed] = {}
-        self.no_sdpa: set[tuple] = set()  # graphed target passes that call no SDPA (native small-query attention)
         if sdpa == "auto" and enabled:
             self.target_variants = tuple(functools.partial(sdpa_context, c) for c in ("default", "efficient", "math"))
         else:
@@ -175,10 +174,7 @@ class GraphSet:
     def call_target(self, name: str, fn, *args: torch.Tensor, sdpa: bool = True):
         """A target pass: graphed under the attention-kernel variants; sdpa=False (the pass calls no SDPA)
         captures it once, since the variants' graphs would be the same and the timed choice only noise."""
-        if sdpa:
-            return self.call(name, fn, *args, variants=self.target_variants)
-        self.no_sdpa.add(self.key(name, *args))
-        return self.call(name, fn, *args)
+        return self.call(name, fn, *args, variants=self.target_variants if sdpa else (contextlib.nullcontext,))
 
     def eager_target(self, fn, *args: torch.Tensor):
         """A target pass run eagerly (the prefill) under the first kernel choice."""
@@ -197,7 +193,7 @@ class GraphSet:
         """The attention kernel each graphed target pass ended up with, by token count ("auto" timing);
         "matmul" for a pass that calls no SDPA."""
         names = ("default", "efficient", "math") if len(self.target_variants) > 1 else (self.sdpa,)
-        return {f"{k[0]}_T{k[1][1]}": "matmul" if k in self.no_sdpa else names[g.choice]
+        return {f"{k[0]}_T{k[1][1]}": names[g.choice] if g.variants is self.target_variants else "matmul"
                 for k, g in self.graphs.items() if k[0].startswith("target") and g.choice is not None}
 
 
