@@ -15,9 +15,10 @@
 #           batch engine with REGEN_BATCH rows; SAMPLES answers a prompt at TEMPERATURE, saved chunk by chunk
 #           under $OUT/train-chat/regenerated/), then TRAIN_STEPS × TRAIN_BATCH online
 #   curve   examples/learning_curve.py over $OUT/train-chat's milestones and final drafter
-#   sweep   (only when named) examples/train_sweep.py: short runs over SWEEP_GRID on the answers the train stage
-#           regenerated, SWEEP_STEPS each at equal samples, ranked by held-out simulated τ (depth 3) in
-#           $OUT/sweep/sweep.md; 3 points × 150 steps × 64 (≈ 2.7 M tokens each) ≈ 3–4 min on the H200
+#   sweep   (only when named) examples/train_sweep.py: short runs over SWEEP_GRID (grids separated by ';', each
+#           varying the train stage's own lr / TTT / batch / grouping; their union, the base run once) on the answers
+#           the train stage regenerated, SWEEP_STEPS each at equal samples, ranked by held-out simulated τ (depth 3)
+#           in $OUT/sweep/sweep.md; 3 points × 150 steps × 64 (≈ 2.7 M tokens each) ≈ 3–4 min on the H200
 #           at the train stage's 48 k tok/s
 #   repro   (only when named) a second chat target by the chat stage's command ($OUT/chat-target-2) and the
 #           prompt-lookup floor of both on MT-bench (EVAL_SAMPLES × EVAL_NEW_TOKENS, depth DEPTH), one engine, one
@@ -51,7 +52,7 @@ MARKS=${MARKS:-500k,2M,5M,10M,20M}; SAVE_EVERY=${SAVE_EVERY:-250}
 CHAT_STEPS=${CHAT_STEPS:-700}; CHAT_BATCH=${CHAT_BATCH:-16}; CHAT_CONVS=${CHAT_CONVS:-10520}; CHAT_MAX_LEN=${CHAT_MAX_LEN:-512}
 EVAL_SAMPLES=${EVAL_SAMPLES:-10}; EVAL_NEW_TOKENS=${EVAL_NEW_TOKENS:-200}; DEPTH=${DEPTH:-3}
 EXTRA_SETS=${EXTRA_SETS:-humaneval,mt-bench:math}; DEVICE=${DEVICE:-cuda}
-SWEEP_GRID=${SWEEP_GRID:-lr=3e-4,1e-3,3e-3 ttt_steps=4}; SWEEP_STEPS=${SWEEP_STEPS:-150}
+SWEEP_GRID=${SWEEP_GRID:-lr=3e-4,1e-3,3e-3}; SWEEP_STEPS=${SWEEP_STEPS:-150}
 STAGES=${1:-${STAGES:-all}}
 DRY_RUN=${DRY_RUN:-}
 ALL_STAGES="data chat train curve"
@@ -112,8 +113,12 @@ if want curve; then
   lap "curve"
 fi
 if named sweep; then
+  grids=(); IFS=';' read -ra parts <<< "$SWEEP_GRID"
+  for g in "${parts[@]}"; do grids+=(--grid "$g"); done
+  # the base every grid varies around is the train stage's own setting, so the sweep says whether to change it
   run "$PY" examples/train_sweep.py --target "$CHAT" --chat-template gemma --data "$OUT/train-chat/regenerated.jsonl" \
-      --grid "$SWEEP_GRID" --steps "$SWEEP_STEPS" --equal-tokens --set batch_size="$TRAIN_BATCH" --set max_len="$MAX_LEN" \
+      "${grids[@]}" --steps "$SWEEP_STEPS" --equal-tokens --set batch_size="$TRAIN_BATCH" --set lr="$TRAIN_LR" \
+      --set ttt_steps="$TTT" --set group_by_length="$GROUP_BY_LENGTH" --set max_len="$MAX_LEN" \
       --set lm_head_from_target=true --device "$DEVICE" --out "$OUT/sweep"
   lap "sweep"
 fi

@@ -10,8 +10,10 @@ already wrote (its regenerated.jsonl), so every run sees the same text and none 
 Each grid point is one run directory under --out (`lr=0.001,ttt_steps=4,batch_size=64`). A rerun skips the
 finished ones, and one cut off mid-run resumes from its checkpoint, as `draftport train` does. The target is
 loaded once and shared. --equal-tokens scales each run's steps by
-batch_size so every point trains on the same number of samples as the first batch size at --steps (a larger
-batch would otherwise win by seeing more data). Writes sweep.md and sweep.json: one row per point, with its
+batch_size so every point trains on the same number of samples as --steps batches of the --set batch size (without
+one, of the first grid point's) (a larger
+batch would otherwise win by seeing more data). --grid given more than once runs the union of the grids (one
+axis at a time around the --set base: `--grid "lr=5e-4,1e-3" --grid "ttt_steps=6"`). Writes sweep.md and sweep.json: one row per point, with its
 held-out simulated τ (depth 3 and depth k), step-0 accuracy, validation loss, training tokens, seconds, tok/s
 and batch fill (real tokens / padded batch tokens: what `group_by_length` raises).
 
@@ -62,6 +64,20 @@ def parse_grid(spec: str, fields: dict[str, dataclasses.Field]) -> list[dict]:
     if not axes:
         raise ValueError("an empty --grid")
     return [dict(combo) for combo in itertools.product(*axes)]
+
+
+def union(grids: list[list[dict]], fixed: dict) -> list[dict]:
+    """Several grids' points in the order written, each run once: a point whose settings with the --set ones
+    equal an earlier point's is that run (one axis at a time around a base: `lr=…` then `ttt_steps=…` grids
+    share the base point instead of training it twice)."""
+    seen, out = set(), []
+    for grid in grids:
+        for point in grid:
+            key = tuple(sorted({**fixed, **point}.items()))
+            if key not in seen:
+                seen.add(key)
+                out.append(point)
+    return out
 
 
 def point_name(point: dict) -> str:
@@ -115,7 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", required=True)
     p.add_argument("--data", required=True)
     p.add_argument("--chat-template", default=None)
-    p.add_argument("--grid", required=True, help='axes "NAME=V1,V2 NAME=…" over train settings (TrainConfig names)')
+    p.add_argument("--grid", required=True, action="append",
+                   help='axes "NAME=V1,V2 NAME=…" over train settings (TrainConfig names); given again, the union')
     p.add_argument("--steps", type=int, required=True, help="optimizer steps a run (before --equal-tokens)")
     p.add_argument("--equal-tokens", action="store_true", help="scale steps by batch size: same samples for all")
     p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="a setting for every run")
@@ -133,7 +150,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
     try:
-        grid = parse_grid(args.grid, fields)
+        grids = [parse_grid(spec, fields) for spec in args.grid]
         fixed = {}
         for item in args.set:
             name, _, value = item.partition("=")
@@ -143,6 +160,7 @@ def main(argv=None) -> int:
             fixed[name] = parse_value(fields[name], value)
     except ValueError as exc:  # a bad grid or --set: the same one line as any bad input
         return report("train_sweep", DraftportError(str(exc)))
+    grid = union(grids, fixed)
     short = [pt for pt in grid if pt.get("ttt_steps", fixed.get("ttt_steps", TrainConfig.ttt_steps)) < RANK_DEPTH]
     if short:
         print(f"train_sweep: ttt_steps below {RANK_DEPTH} cannot simulate the depth-{RANK_DEPTH} τ the sweep ranks "
@@ -153,7 +171,9 @@ def main(argv=None) -> int:
         check_data_source(args.data)  # a bad --data fails before any run directory or model load
     except DraftportError as exc:
         return report("train_sweep", exc)
-    ref_batch = next((pt["batch_size"] for pt in grid if "batch_size" in pt), fixed.get("batch_size") or 4)
+    # --steps counts batches of the --set batch size when one is set (the base the grids vary around), else of
+    # the first grid point's
+    ref_batch = fixed.get("batch_size") or next((pt["batch_size"] for pt in grid if "batch_size" in pt), 4)
     os.makedirs(args.out, exist_ok=True)
     console = Console(stderr=True)
     target, rows = None, []

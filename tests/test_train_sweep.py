@@ -32,6 +32,10 @@ def test_grid_parsing_and_equal_tokens(sweep):
     assert sweep.point_name(grid[-1]) == "lr=0.001,ttt_steps=4,lm_head_from_target=True"
     assert sweep.scaled_steps({"batch_size": 64}, 200, 32, None) == 100  # twice the batch: half the steps
     assert sweep.scaled_steps({}, 200, 32, 16) == 400
+    # one axis at a time around a base: the point that equals the base with the --set values runs once
+    base = {"lr": 1e-3, "ttt_steps": 4}
+    grids = [sweep.parse_grid("lr=5e-4,1e-3", f), sweep.parse_grid("ttt_steps=4,6", f), sweep.parse_grid("lr=5e-4", f)]
+    assert sweep.union(grids, base) == [{"lr": 5e-4}, {"lr": 1e-3}, {"ttt_steps": 6}]
     for bad in ("nolr=1", "lr=", "lm_head_from_target=maybe", ""):
         with pytest.raises(ValueError):
             sweep.parse_grid(bad, f)
@@ -48,6 +52,7 @@ def test_sweep_runs_ranks_and_resumes(sweep, tmp_path, capsys):
     assert [r["point"] for r in res["rows"]] == ["lr=0.0001,batch_size=2", "lr=0.0001,batch_size=4",
                                                  "lr=0.02,batch_size=2", "lr=0.02,batch_size=4"]
     assert [r["steps"] for r in res["rows"]] == [4, 2, 4, 2]  # the same samples at either batch
+    assert res["grid"] == ["lr=1e-4,2e-2 batch_size=2,4"]
     assert all(r["val_tau_depth3"] >= 1.0 and r["seconds"] > 0 and r["tokens"] > 0 for r in res["rows"])
     md = (out / "sweep.md").read_text()
     best = max(r["val_tau_depth3"] for r in res["rows"])
@@ -85,5 +90,11 @@ def test_gpu_recipe_sweep_stage_parses(sweep, tmp_path):
     assert len(cmds) == 1 and cmds[0][1] == "examples/train_sweep.py"
     args = sweep.build_parser().parse_args(cmds[0][2:])
     assert args.data == f"{tmp_path}/train-chat/regenerated.jsonl" and args.equal_tokens
+    sets = dict(x.split("=", 1) for x in args.set)  # the base is the train stage's own setting
+    assert (sets["lr"], sets["ttt_steps"], sets["batch_size"], sets["group_by_length"]) == ("1e-3", "4", "64", "0")
+    two = subprocess.run(["bash", str(EXAMPLES / "gpu_recipe.sh"), "sweep"], capture_output=True, text=True,
+                         env={**env, "SWEEP_GRID": "lr=5e-4,2e-3;ttt_steps=6"})
+    line = next(x for x in two.stdout.splitlines() if x.startswith("+ "))
+    assert sweep.build_parser().parse_args(shlex.split(line[2:])[2:]).grid == ["lr=5e-4,2e-3", "ttt_steps=6"]
     all_run = subprocess.run(["bash", str(EXAMPLES / "gpu_recipe.sh"), "all"], capture_output=True, text=True, env=env)
     assert "train_sweep" not in all_run.stdout  # opt-in: "all" keeps the four stages
