@@ -191,6 +191,31 @@ def test_greedy_speculation_with_random_drafter_is_target_greedy(targets, family
     assert sum(res.accept_lens) >= NEW - 1 and len(res.timings.draft_s) == res.cycles
 
 
+def test_engine_asks_the_native_pass_for_one_attention_shape(targets):
+    """Every target pass of the engine (prefill, 1-token steps, k-token verifies) asks native.attend for its
+    invariant padding, so in bf16 on a GPU a verify reproduces the step's rounding and speculative greedy
+    stays the no-speculation text (BENCHMARKS.md: 10/10 identical with it, 0/10 without). That the padding
+    gives one shape is tests/model/test_native.py's."""
+    t = targets["llama"]
+    asked = []
+    for drafter in (None, random_drafter(t)):  # 1-token steps without a drafter, verifies of k + 1 with one
+        eng = SpecEngine(t, drafter, CONFIGS["chain3"])
+        assert eng.native is not None
+        attn_in, attend, attn_out = eng.native._fns[False]
+
+        def spy(q, keys, values, mask, scaling, invariant=False):
+            asked.append((q.shape[2], invariant))
+            return attend(q, keys, values, mask, scaling, invariant)
+
+        eng.native._fns[False] = (attn_in, spy, attn_out)
+        try:
+            res = eng.generate(_prompt(4), NEW)
+        finally:
+            eng.native._fns[False] = (attn_in, attend, attn_out)
+        assert res.token_ids == _reference(t, _prompt(4))
+    assert {T for T, _ in asked} >= {1, 4} and all(inv for _, inv in asked)
+
+
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 @pytest.mark.parametrize("name", ["chain1", "chain3", "chain5", "tree-k2d3n6", "tree-default"])
 def test_greedy_speculation_with_oracle_drafter(targets, family, name):
@@ -351,6 +376,19 @@ def test_cuda_graphs_equal_eager(family, dtype):
         assert choices and set(choices.values()) <= {"default", "efficient", "math", "matmul"}
         if eng.native is not None:  # every graphed pass here (step, verify of 4) is native small-query attention
             assert set(choices.values()) == {"matmul"}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_bf16_speculative_greedy_is_the_plain_engine_text(family):
+    """bf16 on the GPU: speculative greedy (chain of 3, graphed) == the same engine's greedy without a drafter,
+    token for token: the verify's rows round as the 1-token steps' do (native.attend's invariant padding). The
+    chat-target eval of 2026-12-06 (BENCHMARKS.md) diverged in every prompt without it."""
+    t = tiny_target(family, device="cuda", dtype="bf16")
+    prompt = _prompt(8).cuda()
+    plain = SpecEngine(t, None, CONFIGS["chain3"]).generate(prompt, NEW)
+    spec = SpecEngine(t, random_drafter(t).to(device="cuda", dtype=t.dtype), CONFIGS["chain3"]).generate(prompt, NEW)
+    assert spec.token_ids == plain.token_ids
 
 
 # ---------------------------------------------------------------------------------------------

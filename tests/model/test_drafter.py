@@ -179,12 +179,21 @@ def test_tree_mask_equals_branch_chains():
                 torch.testing.assert_close(logits[:, 0], tree_logits[:, node], atol=2e-5, rtol=1e-4)
 
 
-def test_cached_attention_accepts_additive_masks():
-    g = torch.Generator().manual_seed(0)
-    q, k, v = torch.randn(1, 4, 3, 8, generator=g), torch.randn(1, 2, 10, 8, generator=g), torch.randn(1, 2, 10, 8, generator=g)
-    boolean = causal_cache_mask(torch.tensor([4, 5, 6]), 10)
+@pytest.mark.parametrize("hq,T", [(4, 3), (2, 1), (8, 1), (8, 12)])
+def test_cached_attention_small_query_matmuls_equal_sdpa(hq, T, monkeypatch):
+    """A draft step's few query rows (native.attend's matmuls) == SDPA, with a boolean and an additive mask,
+    grouped heads or not; 8 heads × 12 tokens (96 rows) take SDPA either way."""
+    from draftport.model import native
+    g = torch.Generator().manual_seed(hq * 10 + T)
+    S = 10 + T
+    q, k, v = torch.randn(2, hq, T, 8, generator=g), torch.randn(2, 2, S, 8, generator=g), torch.randn(2, 2, S, 8, generator=g)
+    boolean = causal_cache_mask(torch.arange(S - T, S), S)
     additive = torch.zeros(boolean.shape).masked_fill(~boolean, float("-inf"))
-    torch.testing.assert_close(cached_attention(q, k, v, boolean), cached_attention(q, k, v, additive))
+    monkeypatch.setattr(native, "SMALL_QUERY_ROWS", 0)
+    want = cached_attention(q, k, v, boolean)
+    monkeypatch.setattr(native, "SMALL_QUERY_ROWS", 64)
+    for mask in (boolean, additive):
+        torch.testing.assert_close(cached_attention(q, k, v, mask), want)
 
 
 def test_rope_matches_transformers_llama3_scaling():

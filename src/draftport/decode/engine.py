@@ -254,9 +254,12 @@ class SpecEngine:
             self.cache.slots = slots
             masks = self._target_masks(slots, pos, n, tree_mask)
             if self.native is not None:
+                # invariant: a token's logits must not depend on whether a 1-token step or a k-token verify
+                # computed them, or bf16 speculative text leaves the no-speculation greedy text (native.attend)
                 out = self.native.forward(ids, pos[None], masks, self.cache,
                                           aux_layers=self.aux_layers if with_aux else (),
-                                          logits="last" if last_only else "all", compiled=self.native_scope)
+                                          logits="last" if last_only else "all", compiled=self.native_scope,
+                                          invariant=True)
                 return (out.logits[0],) if not with_aux else (out.logits[0], out.aux[0])
             mask = masks if len(masks) > 1 else next(iter(masks.values()))
             keep = {"logits_to_keep": 1} if last_only else {}

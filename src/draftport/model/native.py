@@ -150,20 +150,35 @@ SMALL_QUERY_ROWS = 64
 
 
 def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
-           scaling: float) -> torch.Tensor:
+           scaling: float, invariant: bool = False) -> torch.Tensor:
     """q [B, Hq, T, D] over the cache keys/values [B, Hkv, S, D] -> [B, T, Hq·D]. The G = Hq/Hkv query
     heads of a group become G·T query rows of their key/value head (row g·T + t is head kv·G + g, token t);
     mask [B|1, 1, G·T or 1, S] is already laid out that way (NativeDecoder._masks); bool (True = attend)
     or additive. Up to SMALL_QUERY_ROWS rows: scores in the model's dtype, softmax in fp32 (HF's eager
-    attention's order), cast back for the value matmul; more rows: SDPA."""
+    attention's order), cast back for the value matmul; more rows: SDPA.
+
+    invariant: the small-query rows padded to SMALL_QUERY_ROWS, so a 1-token step and a k-token verify
+    multiply matrices of one shape. Why: measured on an H100 (2026-12-06, chat target, bf16, prompt lookup on
+    MT-bench 10 × 200), the GEMM kernel chosen for 4 rows and for 16 rounds a row's sums differently, and the
+    speculative text left the no-speculation greedy text in every prompt (prefix match 0.37, 0/10 identical);
+    fp32 products did not fix it (0.43: any difference flips a bf16 rounding somewhere), one shape did (1.00,
+    10/10) at 1.36 ms a step against 0.99. The single-sequence engine asks for it (its output must not depend
+    on how many tokens a pass verifies); the batch engine decodes one token a row every step and does not."""
     B, Hq, T, D = q.shape
     Hkv = keys.shape[1]
-    qf = q.reshape(B, Hkv, (Hq // Hkv) * T, D)
-    if qf.shape[2] <= SMALL_QUERY_ROWS:
-        scores = torch.matmul(qf, keys.transpose(-1, -2)).float() * scaling
+    rows = (Hq // Hkv) * T
+    qf = q.reshape(B, Hkv, rows, D)
+    if rows <= SMALL_QUERY_ROWS:
+        pad = SMALL_QUERY_ROWS - rows if invariant else 0
+        if pad:
+            qf = F.pad(qf, (0, 0, 0, pad))
+        scores = torch.matmul(qf, keys.transpose(-1, -2))[:, :, :rows].float() * scaling
         if mask is not None:
             scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
-        out = torch.matmul(scores.softmax(-1).to(values.dtype), values)
+        probs = scores.softmax(-1).to(values.dtype)
+        if pad:
+            probs = F.pad(probs, (0, 0, 0, pad))
+        out = torch.matmul(probs, values)[:, :, :rows]
     else:
         out = F.scaled_dot_product_attention(qf, keys, values, attn_mask=mask, scale=scaling)
     return out.reshape(B, Hq, T, D).transpose(1, 2).reshape(B, T, Hq * D)
@@ -422,19 +437,21 @@ class NativeDecoder:
         return out
 
     def forward(self, ids: torch.Tensor, pos: torch.Tensor, masks, cache, aux_layers: Sequence[int] = (),
-                logits: str | None = "all", compiled: bool | str = False) -> NativeOutput:
+                logits: str | None = "all", compiled: bool | str = False, invariant: bool = False) -> NativeOutput:
         """logits: "all" (every row), "last" (the last row only) or None (hidden states only); compiled: False
         (plain), "layer" (or True: the compiled layer halves) or "whole" (the whole pass as one compiled
-        region); a scope not enabled (enable_compile) runs plain."""
+        region); a scope not enabled (enable_compile) runs plain. invariant: a row's attention does not depend
+        on how many tokens the pass holds (`attend`)."""
         scope = SCOPES[0] if compiled is True else (compiled or None)
         aux_layers = tuple(int(i) for i in aux_layers)
         if scope == "whole" and self._whole is not None:
-            out = self._whole(ids, pos, masks, cache, aux_layers, logits)
+            out = self._whole(ids, pos, masks, cache, aux_layers, logits, invariant)
         else:
-            out = self._body(ids, pos, masks, cache, aux_layers, logits, self._fns.get(scope == "layer", self._fns[False]))
+            out = self._body(ids, pos, masks, cache, aux_layers, logits, invariant,
+                             self._fns.get(scope == "layer", self._fns[False]))
         return NativeOutput(*out)
 
-    def _body(self, ids, pos, masks, cache, aux_layers: tuple, logits, fns):
+    def _body(self, ids, pos, masks, cache, aux_layers: tuple, logits, invariant: bool, fns):
         """The pass itself -> (logits, aux, last_hidden): a tuple, so one torch.compile region can return it."""
         B, T = ids.shape
         attn_in_fn, attend_fn, attn_out_fn = fns
@@ -451,7 +468,7 @@ class NativeDecoder:
             cos, sin = rope[L.kind]
             q, k, v = attn_in_fn(x, L.ln_in, L.wqkv, L.bqkv, L.q_norm, L.k_norm, cos, sin)
             keys, values = cache.layers[i].update(k, v)
-            a = attend_fn(q, keys, values, masks[L.kind], L.scaling)
+            a = attend_fn(q, keys, values, masks[L.kind], L.scaling, invariant)
             x = attn_out_fn(x, a, L.wo, L.bo, L.ln_a, L.ln_b, L.ln_c, L.wgu, L.bgu, L.wdown, L.bdown)
         last = rms_norm(x, self.final_norm, self.eps, self.unit_offset)
         aux = None
