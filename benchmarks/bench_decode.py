@@ -111,7 +111,7 @@ def parse_args(argv=None):
     p.add_argument("--work-dir", default=None, help="where eval runs write (default: a temp dir)")
     p.add_argument("--out", default=None, help="JSON file to write the result line to")
     p.add_argument("--target-pass", default="auto",
-                   help="comma list of target passes (auto, hf, native, native-whole) timed side by side in the "
+                   help="comma list of target passes (auto, hf, native, native-whole, native-fast) timed side by side in the "
                         "target_pass section; the other sections use the first")
     p.add_argument("--prefill-lens", default="128,512", help="prompt lengths the target_pass section prefills")
     p.add_argument("--profile", default=None, help="write torch-profiler kernel tables of a 1-token step and an "
@@ -238,12 +238,15 @@ def random_prompts(target, n: int, length: int = 128, seed: int = 0) -> list[lis
 # Sections
 # ---------------------------------------------------------------------------------------------
 
-PASSES = ("auto", "hf", "native", "native-whole")  # native-whole: the native pass compiled as one region
+# native-whole: the native pass compiled as one region; native-fast: its small-query attention unpadded
+# (EngineConfig.invariant off: faster, but a verify may round a row unlike a step)
+PASSES = ("auto", "hf", "native", "native-whole", "native-fast")
 
 
 def pass_config(tp: str) -> dict:
-    """An EngineConfig's fields for a --target-pass name (native-whole = native, native_compile "whole")."""
-    return {"target_pass": "native", "native_compile": "whole"} if tp == "native-whole" else {"target_pass": tp}
+    """An EngineConfig's fields for a --target-pass name."""
+    return {"native-whole": {"target_pass": "native", "native_compile": "whole"},
+            "native-fast": {"target_pass": "native", "invariant": False}}.get(tp, {"target_pass": tp})
 
 
 # What a pass needs left of the budget before it starts: native-whole compiles the whole forward per shape

@@ -29,21 +29,22 @@ def test_bench_decode_times_every_pass_and_profiles_each(bench_path, tmp_path):
 
     out, prof = tmp_path / "decode.json", tmp_path / "profile.txt"
     assert bench_decode.main(["--target", "random:tiny-gemma3", "--device", "cpu",
-                              "--target-pass", "hf,native,native-whole", "--profile", str(prof),
+                              "--target-pass", "hf,native,native-whole,native-fast", "--profile", str(prof),
                               "--prefill-lens", "16", "--repeats", "1", "--prompts-n", "2", "--max-new-tokens", "6",
                               "--budget-s", "300", "--out", str(out)]) == 0
     r = _last_json(out)
     sections = ("steps", "target_pass", "profile", "engine", "hf_generate")
     assert not [s for s in sections if "error" in r[s] or "skipped" in r[s]], {s: r[s] for s in sections}
     tp = r["target_pass"]
-    assert tp["passes"] == ["hf", "native", "native-whole"]
+    assert tp["passes"] == ["hf", "native", "native-whole", "native-fast"]
     assert all(tp[p]["step_ms"] > 0 and tp[p]["prefill_16_tok_s"] > 0 for p in tp["passes"])
-    assert [tp[p]["resolved"] for p in tp["passes"]] == ["hf", "native", "native"]
+    assert [tp[p]["resolved"] for p in tp["passes"]] == ["hf", "native", "native", "native"]
+    assert [tp[p]["native"]["invariant"] for p in tp["passes"][1:]] == [True, True, False]  # native-fast: unpadded
     # the compile / capture cost of each pass, by shape, beside its steady-state figures
     assert all(set(tp[p]["warmup_s"]) == {"engines", "target_1", "target_4", "target_8", "prefill_16"}
                for p in tp["passes"])
     # one kernel table per pass and token count: the before and after of a change side by side
-    assert set(r["profile"]) - {"seconds"} == {"hf", "native", "native-whole"}
+    assert set(r["profile"]) - {"seconds"} == {"hf", "native", "native-whole", "native-fast"}
     headers = [line for line in prof.read_text().splitlines() if line.startswith("## ")]
     assert headers == [f"## {p}: {T}-token target pass, 10 calls, eager" for p in tp["passes"] for T in (1, 8)]
     assert r["engine"]["plain"]["tok_s"] > 0 and r["engine"]["chain"]["new_tokens"] > 0

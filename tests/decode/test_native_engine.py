@@ -124,6 +124,29 @@ def test_target_pass_choice_and_refusal(targets):
     assert eng.native_compiled is False and eng.native_scope is False  # never compiled on the CPU
 
 
+def test_fast_attention_flag_reaches_the_native_pass(targets):
+    """eval / generate --fast-attention: the engines they build run the unpadded small-query attention
+    (EngineConfig.invariant off, reported in the engine's native section); without it, the padded one."""
+    from draftport.cli import build_parser, config_from_args
+    from draftport.decode.evaluate import EvalConfig, GenerateConfig, target_pass_settings
+
+    parser = build_parser()
+    for verb, cls, extra in (("eval", EvalConfig, ["--drafter", "ngram"]), ("generate", GenerateConfig, ["--prompt", "hi"])):
+        for flag, invariant in (([], True), (["--fast-attention"], False)):
+            cfg = config_from_args(cls, parser.parse_args([verb, "--target", "tiny-llama", *extra, *flag]))
+            settings = target_pass_settings(cfg)
+            assert settings["invariant"] is invariant
+            eng = SpecEngine(targets["llama"], None, _cfg(**settings))
+            seen = []
+            attn_in, attend, attn_out = eng.native._fns[False]
+            eng.native._fns[False] = (attn_in, lambda *a: seen.append(a[-1]) or attend(*a), attn_out)
+            try:
+                eng.generate(torch.tensor([3, 5, 7, 9]), 3)
+            finally:
+                eng.native._fns[False] = (attn_in, attend, attn_out)
+            assert seen and set(seen) == {invariant} and eng.native_report()["invariant"] is invariant
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 def test_cuda_native_graphed_equals_eager_and_hf(family):

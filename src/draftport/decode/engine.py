@@ -72,6 +72,9 @@ class EngineConfig:
                                          # Gemma-3), "hf" (the HF modules), "auto" (native where supported)
     native_compile: str = "layer"        # native on CUDA with fuse: torch.compile each layer's halves ("layer")
                                          # or the whole pass as one region ("whole"); native.SCOPES
+    invariant: bool = True               # native: a verify's rows round as a 1-token step's (native.attend's
+                                         # padding), so bf16 speculative greedy is the plain greedy text; False:
+                                         # the unpadded, faster small-query attention (--fast-attention)
 
     @property
     def is_tree(self) -> bool:
@@ -225,7 +228,8 @@ class SpecEngine:
         """The native decoder's report plus what this engine runs of it (None on the HF modules)."""
         if self.native is None:
             return None
-        return {**self.native.report(), "compiled": self.native_compiled, "scope": self.native_scope}
+        return {**self.native.report(), "compiled": self.native_compiled, "scope": self.native_scope,
+                "invariant": self.cfg.invariant}
 
     def sdpa_choices(self) -> dict[str, str]:
         """The attention kernel each graphed target pass ended up with, by token count ("auto" timing)."""
@@ -259,7 +263,7 @@ class SpecEngine:
                 out = self.native.forward(ids, pos[None], masks, self.cache,
                                           aux_layers=self.aux_layers if with_aux else (),
                                           logits="last" if last_only else "all", compiled=self.native_scope,
-                                          invariant=True)
+                                          invariant=self.cfg.invariant)
                 return (out.logits[0],) if not with_aux else (out.logits[0], out.aux[0])
             mask = masks if len(masks) > 1 else next(iter(masks.values()))
             keep = {"logits_to_keep": 1} if last_only else {}

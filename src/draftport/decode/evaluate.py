@@ -63,6 +63,7 @@ class EvalConfig:
     sdpa: str = "auto"                   # engine's target attention kernel
     target_pass: str = "auto"            # engine's target forward: native | hf | auto (native where supported)
     native_compile: str = "layer"        # native on CUDA: compile each layer's halves ("layer") or the whole pass
+    fast_attention: bool = False         # native: unpadded small-query attention (EngineConfig.invariant off)
     device: str | None = None            # default: cuda when available
     dtype: str | None = None             # default: bf16 on cuda, fp32 on cpu
     seed: int = 0
@@ -94,6 +95,7 @@ class GenerateConfig:
     sdpa: str = "auto"
     target_pass: str = "auto"
     native_compile: str = "layer"
+    fast_attention: bool = False
     device: str | None = None
     dtype: str | None = None
     seed: int = 0
@@ -516,7 +518,8 @@ def render_floor(summary: dict, console) -> None:
 
 def target_pass_settings(cfg) -> dict:
     """How an eval / generate config asks the engine to run its target pass: the same for every engine it builds."""
-    return {"fuse": cfg.fuse, "sdpa": cfg.sdpa, "target_pass": cfg.target_pass, "native_compile": cfg.native_compile}
+    return {"fuse": cfg.fuse, "sdpa": cfg.sdpa, "target_pass": cfg.target_pass, "native_compile": cfg.native_compile,
+            "invariant": not cfg.fast_attention}
 
 
 def eval_engines(cfg: EvalConfig, target, drafter, prompts: list[list[int]], N: int, lk=None, hyb_lk=None,
@@ -931,7 +934,7 @@ def run_generate(cfg: GenerateConfig, *, target=None, drafter=None) -> dict:
             "drafter_kind": "hybrid" if cfg.hybrid else ("ngram" if ngram_only else ("eagle3" if drafter else None)),
             "by_source": _split_tau(r.sources, r.accept_lens) if lk is not None else None,
             "engine": {"fused": engine.fused is not None, "sdpa": engine.cfg.sdpa, "cuda_graphs": engine.use_graphs,
-                       "target_pass": engine.target_pass_kind,
+                       "target_pass": engine.target_pass_kind, "native": engine.native_report(),
                        "sdpa_choices": engine.sdpa_choices()}}
 
 
