@@ -126,16 +126,20 @@ def test_target_pass_choice_and_refusal(targets):
 
 def test_fast_attention_flag_reaches_the_native_pass(targets):
     """eval / generate --fast-attention: the engines they build run the unpadded small-query attention
-    (EngineConfig.invariant off, reported in the engine's native section); without it, the padded one."""
+    (EngineConfig.invariant off, reported in the engine's native section); without it, the engine's default
+    (padded on CUDA, so unpadded here on the CPU, where an explicit invariant=True still pads)."""
     from draftport.cli import build_parser, config_from_args
     from draftport.decode.evaluate import EvalConfig, GenerateConfig, target_pass_settings
 
     parser = build_parser()
     for verb, cls, extra in (("eval", EvalConfig, ["--drafter", "ngram"]), ("generate", GenerateConfig, ["--prompt", "hi"])):
-        for flag, invariant in (([], True), (["--fast-attention"], False)):
-            cfg = config_from_args(cls, parser.parse_args([verb, "--target", "tiny-llama", *extra, *flag]))
-            settings = target_pass_settings(cfg)
-            assert settings["invariant"] is invariant
+        for flag, asked, invariant in (([], None, False), (["--fast-attention"], False, False), (None, True, True)):
+            if flag is None:  # the engine's own setting, which the flags never set to True
+                settings = {"invariant": True}
+            else:
+                cfg = config_from_args(cls, parser.parse_args([verb, "--target", "tiny-llama", *extra, *flag]))
+                settings = target_pass_settings(cfg)
+            assert settings["invariant"] is asked
             eng = SpecEngine(targets["llama"], None, _cfg(**settings))
             seen = []
             attn_in, attend, attn_out = eng.native._fns[False]

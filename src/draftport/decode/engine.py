@@ -72,9 +72,11 @@ class EngineConfig:
                                          # Gemma-3), "hf" (the HF modules), "auto" (native where supported)
     native_compile: str = "layer"        # native on CUDA with fuse: torch.compile each layer's halves ("layer")
                                          # or the whole pass as one region ("whole"); native.SCOPES
-    invariant: bool = True               # native: a verify's rows round as a 1-token step's (native.attend's
+    invariant: bool | None = None        # native: a verify's rows round as a 1-token step's (native.attend's
                                          # padding), so bf16 speculative greedy is the plain greedy text; False:
-                                         # the unpadded, faster small-query attention (--fast-attention)
+                                         # the unpadded, faster small-query attention (--fast-attention). None: on
+                                         # CUDA, whose kernels follow the row count (on the CPU the padding's
+                                         # extra products would buy nothing the fp32 default needs)
 
     @property
     def is_tree(self) -> bool:
@@ -184,6 +186,7 @@ class SpecEngine:
         self.native = None
         self.native_compiled = fuse and self.device.type == "cuda" and self.target_pass_kind == "native"
         self.native_scope = self.cfg.native_compile if self.native_compiled else False  # what forward runs
+        self.invariant = self.cfg.invariant if self.cfg.invariant is not None else self.device.type == "cuda"
         if self.target_pass_kind == "native":
             self.native = native_decoder(self.model, positions=self.S, compile=self.native_scope)
         self.fused = FusedTarget(self.model) if fuse and self.native is None else None
@@ -229,7 +232,7 @@ class SpecEngine:
         if self.native is None:
             return None
         return {**self.native.report(), "compiled": self.native_compiled, "scope": self.native_scope,
-                "invariant": self.cfg.invariant}
+                "invariant": self.invariant}
 
     def sdpa_choices(self) -> dict[str, str]:
         """The attention kernel each graphed target pass ended up with, by token count ("auto" timing)."""
@@ -263,7 +266,7 @@ class SpecEngine:
                 out = self.native.forward(ids, pos[None], masks, self.cache,
                                           aux_layers=self.aux_layers if with_aux else (),
                                           logits="last" if last_only else "all", compiled=self.native_scope,
-                                          invariant=self.cfg.invariant)
+                                          invariant=self.invariant)
                 return (out.logits[0],) if not with_aux else (out.logits[0], out.aux[0])
             mask = masks if len(masks) > 1 else next(iter(masks.values()))
             keep = {"logits_to_keep": 1} if last_only else {}

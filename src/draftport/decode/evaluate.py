@@ -519,7 +519,7 @@ def render_floor(summary: dict, console) -> None:
 def target_pass_settings(cfg) -> dict:
     """How an eval / generate config asks the engine to run its target pass: the same for every engine it builds."""
     return {"fuse": cfg.fuse, "sdpa": cfg.sdpa, "target_pass": cfg.target_pass, "native_compile": cfg.native_compile,
-            "invariant": not cfg.fast_attention}
+            "invariant": False if cfg.fast_attention else None}
 
 
 def eval_engines(cfg: EvalConfig, target, drafter, prompts: list[list[int]], N: int, lk=None, hyb_lk=None,

@@ -162,8 +162,8 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torc
     MT-bench 10 × 200), the GEMM kernel chosen for 4 rows and for 16 rounds a row's sums differently, and the
     speculative text left the no-speculation greedy text in every prompt (prefix match 0.37, 0/10 identical);
     fp32 products did not fix it (0.43: any difference flips a bf16 rounding somewhere), one shape did (1.00,
-    10/10) at 1.36 ms a step against 0.99. The single-sequence engine asks for it (its output must not depend
-    on how many tokens a pass verifies); the batch engine decodes one token a row every step and does not."""
+    10/10) at 1.36 ms a step against 0.99. The single-sequence engine asks for it on CUDA (its output must not
+    depend on how many tokens a pass verifies); the batch engine decodes one token a row every step and does not."""
     B, Hq, T, D = q.shape
     Hkv = keys.shape[1]
     rows = (Hq // Hkv) * T
