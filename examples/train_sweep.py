@@ -9,13 +9,12 @@ grid, on the same data, ranked by held-out simulated τ at depth 3 (the depth th
 already wrote (its regenerated.jsonl), so every run sees the same text and none pays for regeneration again.
 Each grid point is one run directory under --out (`lr=0.001,ttt_steps=4,batch_size=64`). A rerun skips the
 finished ones, and one cut off mid-run resumes from its checkpoint, as `draftport train` does. The target is
-loaded once and shared. --equal-tokens scales each run's steps by
-batch_size so every point trains on the same number of samples as --steps batches of the --set batch size (without
-one, of the first grid point's) (a larger
-batch would otherwise win by seeing more data). --grid given more than once runs the union of the grids (one
-axis at a time around the --set base: `--grid "lr=5e-4,1e-3" --grid "ttt_steps=6"`). Writes sweep.md and sweep.json: one row per point, with its
-held-out simulated τ (depth 3 and depth k), step-0 accuracy, validation loss, training tokens, seconds, tok/s
-and batch fill (real tokens / padded batch tokens: what `group_by_length` raises).
+loaded once and shared. --equal-tokens scales each run's steps by batch_size so every point trains on as many
+samples as --steps batches of the --set batch size, or without one of the first grid point's (a larger batch
+would otherwise win by seeing more data). --grid given more than once runs the union of the grids, one axis at a
+time around the --set base (`--grid "lr=5e-4,1e-3" --grid "ttt_steps=6"`). Writes sweep.md and sweep.json: one
+row per point, with its held-out simulated τ (depth 3 and depth k), step-0 accuracy, validation loss, training
+tokens, seconds, tok/s and batch fill (real tokens / padded batch tokens: what `group_by_length` raises).
 
 Simulated τ comes from the run's validation (conditional accuracies of the unrolled steps). It ranks
 settings cheaply. It is not online τ: evaluate the winner with `draftport eval` beside the floor.
