@@ -136,8 +136,10 @@ def test_cli_eval_json_and_generate(tiny, tmp_path, capsys):
     spec = json.loads(capsys.readouterr().out)
     assert {"text", "token_ids", "accept_len", "tok_s"} <= set(spec)
     assert len(spec["token_ids"]) == 16 and spec["accept_len"] > 1.0
+    native = spec["engine"].pop("native")
     assert spec["engine"] == {"fused": False, "sdpa": "auto", "cuda_graphs": False, "target_pass": "native",
                               "sdpa_choices": {}}
+    assert native["family"] == "llama" and native["invariant"] is False  # the padding is CUDA's default only
     assert main(common + ["--drafter", tiny["drafter_dir"], "--json", "--sdpa", "math", "--no-fuse"]) == 0
     math_run = json.loads(capsys.readouterr().out)                           # the flags reach the engine
     assert math_run["engine"]["sdpa"] == "math" and math_run["token_ids"] == spec["token_ids"]
