@@ -137,3 +137,43 @@ def test_bench_generate_splits_the_time_and_profiles_the_batch_step(bench_path, 
     assert g["profile_4"]["kernels_per_call"] == 0  # a CPU: the table ranks CPU ops, no kernels
     text = prof.read_text()
     assert text.startswith("## native: batch decode step, 4 rows, 10 calls, eager") and "aten::" in text
+
+
+def test_bench_match_compares_every_pass_on_the_same_prompts(bench_path, tmp_path):
+    """Every pass evaluates prompt lookup against no speculation on the same prompts; in fp32 each keeps the
+    greedy text (match 1.0, the fp32 equivalence the tests prove); native-fast runs unpadded, native-sdpa leaves
+    native.SMALL_QUERY_ROWS as it found it; a bad pass name is one line and exit 2."""
+    import bench_match
+
+    from draftport.model import native
+    from draftport.model.target import tiny_target
+
+    t = tiny_target("llama", seed=0)
+    t.model.save_pretrained(tmp_path / "target")
+    t.tokenizer.save_pretrained(tmp_path / "target")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"turns": [f"Say {w} and {w} again."]}) + "\n" for w in ("one", "two")))
+    out = tmp_path / "match.json"
+    rows = native.SMALL_QUERY_ROWS
+    assert bench_match.main(["--target", str(tmp_path / "target"), "--prompts", str(prompts), "--max-samples", "2",
+                             "--max-new-tokens", "8", "--device", "cpu", "--work-dir", str(tmp_path / "w"),
+                             "--out", str(out)]) == 0
+    assert native.SMALL_QUERY_ROWS == rows
+    r = _last_json(out)
+    p = r["passes"]
+    assert list(p) == ["native", "native-fast", "native-sdpa", "hf"] and r["machine"]["device"] == "cpu"
+    assert all(x["match_rate"] == 1.0 and x["identical_prompts"] == 1.0 and x["tau"] >= 1.0 for x in p.values())
+    assert [x["target_pass"] for x in p.values()] == ["native", "native", "native", "hf"]
+    assert p["native-fast"]["invariant"] is False and p["hf"]["invariant"] is None
+    assert (tmp_path / "w" / "native-sdpa" / "summary.json").exists()
+    calls = []  # native-sdpa really sends the small passes to SDPA, native does not
+    real = native.F.scaled_dot_product_attention
+    for name in ("native", "native-sdpa"):
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(native.F, "scaled_dot_product_attention", lambda *a, **k: calls.append(name) or real(*a, **k))
+            assert bench_match.main(["--target", str(tmp_path / "target"), "--prompts", str(prompts), "--passes", name,
+                                     "--max-samples", "1", "--max-new-tokens", "4", "--device", "cpu"]) == 0
+    assert "native-sdpa" in calls and "native" not in calls
+    with pytest.raises(SystemExit) as e:
+        bench_match.parse_args(["--target", "x", "--passes", "native,fast"])
+    assert e.value.code == 2
