@@ -216,9 +216,7 @@ def cached_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, attn_mask: Ten
     if mask.dtype != torch.bool:
         mask = mask.to(q.dtype)
     if G * T <= native.SMALL_QUERY_ROWS:
-        if G > 1 and T > 1 and mask.shape[2] != 1:
-            mask = mask.repeat(1, 1, G, 1)  # attend's folded rows: row g·T + t is token t
-        out = native.attend(q, k_cache, v_cache, mask, D ** -0.5)            # [B, T, Hq·D]
+        out = native.attend(q, k_cache, v_cache, native.fold_mask(mask, G, T), D ** -0.5)  # [B, T, Hq·D]
         return out.view(B, T, Hq, D).transpose(1, 2)
     return F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask, enable_gqa=G != 1)
 

@@ -184,6 +184,14 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torc
     return out.reshape(B, Hq, T, D).transpose(1, 2).reshape(B, T, Hq * D)
 
 
+def fold_mask(mask: torch.Tensor | None, G: int, T: int) -> torch.Tensor | None:
+    """A mask [B|1, 1, T or 1, S] laid out for `attend`'s folded query rows: row g·T + t sees mask row t (a single
+    row broadcasts as it is)."""
+    if mask is not None and G > 1 and T > 1 and mask.shape[2] != 1:
+        mask = mask.repeat(1, 1, G, 1)
+    return mask
+
+
 def attn_out_mlp(x, a, wo, bo, ln_a, ln_b, ln_c, wgu, bgu, wdown, bdown, *, act, eps: float, unit_offset: bool,
                  sandwich: bool):
     """The rest of a layer: o-projection and residual, then the MLP and residual. sandwich (Gemma): the
@@ -427,14 +435,7 @@ class NativeDecoder:
         Additive or boolean masks alike: SDPA takes both."""
         if not isinstance(masks, dict):
             masks = {kind: masks for kind in self.kinds}
-        G = self.hq // self.hkv
-        out = {}
-        for kind in self.kinds:
-            m = masks[kind]
-            if m is not None and G > 1 and T > 1 and m.shape[2] != 1:
-                m = m.repeat(1, 1, G, 1)                          # row g·T + t sees mask row t
-            out[kind] = m
-        return out
+        return {kind: fold_mask(masks[kind], self.hq // self.hkv, T) for kind in self.kinds}
 
     def forward(self, ids: torch.Tensor, pos: torch.Tensor, masks, cache, aux_layers: Sequence[int] = (),
                 logits: str | None = "all", compiled: bool | str = False, invariant: bool = False) -> NativeOutput:
