@@ -25,7 +25,8 @@ time budget first and is skipped, with a note, when too little is left):
                  built, first call per shape: Inductor's compile and the graph capture); a pass is skipped,
                  with a note, when the budget left is under its need (native-whole: 90 s). The other sections
                  use the first pass listed that is not native-whole (compiling the whole forward takes
-                 minutes on a real shape; it is timed here alone)
+                 minutes on a real shape; it is timed here alone) nor native-rows (a variant of native's
+                 constants, applied in this section and the profile only)
     llama8b      (--llama8b) a Llama-3.1-8B-shaped target with random bf16 weights built on the GPU, and a
                  random drafter of its shape: steps, roofline, target passes side by side, engine and chain
                  tok/s — timing only
@@ -59,6 +60,7 @@ import traceback
 import torch
 
 from draftport.decode.evaluate import EvalConfig, decode_rate, hf_generate_rate, load_drafter_for, run_eval, sync, time_call
+from draftport.model import native
 from emit import emit
 from profiling import kernel_profile
 
@@ -111,8 +113,8 @@ def parse_args(argv=None):
     p.add_argument("--work-dir", default=None, help="where eval runs write (default: a temp dir)")
     p.add_argument("--out", default=None, help="JSON file to write the result line to")
     p.add_argument("--target-pass", default="auto",
-                   help="comma list of target passes (auto, hf, native, native-whole, native-fast) timed side by side in the "
-                        "target_pass section; the other sections use the first")
+                   help="comma list of target passes (auto, hf, native, native-whole, native-fast, native-rows) timed "
+                        "side by side in the target_pass section; the other sections use the first")
     p.add_argument("--prefill-lens", default="128,512", help="prompt lengths the target_pass section prefills")
     p.add_argument("--profile", default=None, help="write torch-profiler kernel tables of a 1-token step and an "
                                                    "8-token verify (graphs off, to see each kernel) to this file")
@@ -239,14 +241,17 @@ def random_prompts(target, n: int, length: int = 128, seed: int = 0) -> list[lis
 # ---------------------------------------------------------------------------------------------
 
 # native-whole: the native pass compiled as one region; native-fast: its small-query attention unpadded
-# (EngineConfig.invariant off: faster, but a verify may round a row unlike a step)
-PASSES = ("auto", "hf", "native", "native-whole", "native-fast")
+# (EngineConfig.invariant off: faster, but a verify may round a row unlike a step); native-rows: the invariant
+# pass with its linear layers' rows padded too (native.INVARIANT_LINEAR_ROWS, off by default until measured)
+PASSES = ("auto", "hf", "native", "native-whole", "native-fast", "native-rows")
+PASS_CONSTANTS = {"native-rows": {"INVARIANT_LINEAR_ROWS": 16}}  # native's constants while that pass runs
 
 
 def pass_config(tp: str) -> dict:
     """An EngineConfig's fields for a --target-pass name."""
     return {"native-whole": {"target_pass": "native", "native_compile": "whole"},
-            "native-fast": {"target_pass": "native", "invariant": False}}.get(tp, {"target_pass": tp})
+            "native-fast": {"target_pass": "native", "invariant": False},
+            "native-rows": {"target_pass": "native", "invariant": True}}.get(tp, {"target_pass": tp})
 
 
 # What a pass needs left of the budget before it starts: native-whole compiles the whole forward per shape
@@ -255,9 +260,11 @@ PASS_NEED_S = {"native-whole": 90.0}
 
 
 def first_pass(args) -> str:
-    """The pass the sections other than target_pass use: the first listed that is not native-whole."""
+    """The pass the sections other than target_pass (and profile) use: the first listed that is neither
+    native-whole nor a variant run under other PASS_CONSTANTS (those two sections apply them; the rest do not)."""
     passes = getattr(args, "target_passes", None) or ["auto"]
-    return next((tp for tp in passes if tp != "native-whole"), passes[0])
+    return next((tp for tp in passes if tp != "native-whole" and tp not in PASS_CONSTANTS),
+                next((tp for tp in passes if tp not in PASS_CONSTANTS), "native"))
 
 
 def engines(target, drafter, args, depth: int, max_len: int = 1024, target_pass: str | None = None):
@@ -359,50 +366,51 @@ def section_target_pass(target, drafter, prompts, args, hbm: float, stop_ids=(),
             continue
         t_pass = time.perf_counter()
         try:
-            warm = row["warmup_s"] = {}
-            t = time.perf_counter()
-            base, spec = engines(target, drafter, args, depth=args.depth, max_len=max_len, target_pass=tp)
-            warm["engines"] = round(time.perf_counter() - t, 2)
-            row["resolved"] = base.target_pass_kind
-            for T in (1, 4, 8):
-                ids = torch.zeros(T, dtype=torch.long, device=dev)
-                tril = torch.ones(T, T, dtype=torch.bool, device=dev).tril()
+            with native.constants(**PASS_CONSTANTS.get(tp, {})):
+                warm = row["warmup_s"] = {}
                 t = time.perf_counter()
-                base.target_pass(ids, n, ar[:T], tril)
-                if spec is not None:
-                    spec.target_pass(ids, n, ar[:T], tril)
-                sync(dev)
-                warm[f"target_{T}"] = round(time.perf_counter() - t, 2)
-                row[f"target_{T}_ms"] = time_call(lambda: base.target_pass(ids, n, ar[:T], tril), dev, args.repeats)
-                if spec is not None:
-                    row[f"target_{T}_aux_ms"] = time_call(lambda: spec.target_pass(ids, n, ar[:T], tril), dev,
-                                                          args.repeats)
-            row["step_ms"] = row["target_1_ms"]
-            row["verify8_ms"] = row["target_8_ms"]
-            row["verify8_over_step"] = row["target_8_ms"] / row["target_1_ms"]
-            row["step_over_hbm_floor"] = row["target_1_ms"] / floor_ms
-            # the engine's prefill: eager, last row's logits, aux captured when speculating
-            eng = spec if spec is not None else base
-            zero = torch.zeros((), dtype=torch.long, device=dev)
-            for P in lens:
-                ids = torch.randint(10, target.vocab_size, (P,), device=dev)
-                causal = torch.ones(P, P, dtype=torch.bool, device=dev).tril()
-                t = time.perf_counter()
-                eng.target_pass(ids, zero, ar[:P], causal, graphed=False, last_logits=True)
-                sync(dev)
-                warm[f"prefill_{P}"] = round(time.perf_counter() - t, 2)
-                ms = time_call(lambda: eng.target_pass(ids, zero, ar[:P], causal, graphed=False, last_logits=True),
-                               dev, max(3, args.repeats // 5))
-                row[f"prefill_{P}_ms"] = ms
-                row[f"prefill_{P}_tok_s"] = 1000.0 * P / ms
-            row["sdpa_choices"] = base.sdpa_choices()
-            if base.native is not None:
-                row["native"] = base.native_report()
-            del base, spec, eng
-            plain_len = max(len(p) for p in prompts) + args.max_new_tokens + 64
-            plain = SpecEngine(target, None, EngineConfig(max_len=plain_len, **pass_config(tp)))
-            row["engine_plain"] = engine_rate(plain, prompts, args.max_new_tokens, stop_ids)
-            del plain
+                base, spec = engines(target, drafter, args, depth=args.depth, max_len=max_len, target_pass=tp)
+                warm["engines"] = round(time.perf_counter() - t, 2)
+                row["resolved"] = base.target_pass_kind
+                for T in (1, 4, 8):
+                    ids = torch.zeros(T, dtype=torch.long, device=dev)
+                    tril = torch.ones(T, T, dtype=torch.bool, device=dev).tril()
+                    t = time.perf_counter()
+                    base.target_pass(ids, n, ar[:T], tril)
+                    if spec is not None:
+                        spec.target_pass(ids, n, ar[:T], tril)
+                    sync(dev)
+                    warm[f"target_{T}"] = round(time.perf_counter() - t, 2)
+                    row[f"target_{T}_ms"] = time_call(lambda: base.target_pass(ids, n, ar[:T], tril), dev, args.repeats)
+                    if spec is not None:
+                        row[f"target_{T}_aux_ms"] = time_call(lambda: spec.target_pass(ids, n, ar[:T], tril), dev,
+                                                              args.repeats)
+                row["step_ms"] = row["target_1_ms"]
+                row["verify8_ms"] = row["target_8_ms"]
+                row["verify8_over_step"] = row["target_8_ms"] / row["target_1_ms"]
+                row["step_over_hbm_floor"] = row["target_1_ms"] / floor_ms
+                # the engine's prefill: eager, last row's logits, aux captured when speculating
+                eng = spec if spec is not None else base
+                zero = torch.zeros((), dtype=torch.long, device=dev)
+                for P in lens:
+                    ids = torch.randint(10, target.vocab_size, (P,), device=dev)
+                    causal = torch.ones(P, P, dtype=torch.bool, device=dev).tril()
+                    t = time.perf_counter()
+                    eng.target_pass(ids, zero, ar[:P], causal, graphed=False, last_logits=True)
+                    sync(dev)
+                    warm[f"prefill_{P}"] = round(time.perf_counter() - t, 2)
+                    ms = time_call(lambda: eng.target_pass(ids, zero, ar[:P], causal, graphed=False, last_logits=True),
+                                   dev, max(3, args.repeats // 5))
+                    row[f"prefill_{P}_ms"] = ms
+                    row[f"prefill_{P}_tok_s"] = 1000.0 * P / ms
+                row["sdpa_choices"] = base.sdpa_choices()
+                if base.native is not None:
+                    row["native"] = base.native_report()
+                del base, spec, eng
+                plain_len = max(len(p) for p in prompts) + args.max_new_tokens + 64
+                plain = SpecEngine(target, None, EngineConfig(max_len=plain_len, **pass_config(tp)))
+                row["engine_plain"] = engine_rate(plain, prompts, args.max_new_tokens, stop_ids)
+                del plain
         except Exception as exc:  # keep the other passes' figures
             row["error"] = f"{type(exc).__name__}: {exc}"[:500]
             row["trace"] = traceback.format_exc(limit=4)[-1500:]
@@ -442,10 +450,11 @@ def section_profile(target, drafter, args) -> dict:
         for T in (1, 8):
             ids = torch.zeros(T, dtype=torch.long, device=dev)
             tril = torch.ones(T, T, dtype=torch.bool, device=dev).tril()
-            for _ in range(3):
-                eng.target_pass(ids, n, ar[:T], tril, graphed=False)
-            figures, table = kernel_profile(lambda: eng.target_pass(ids, n, ar[:T], tril, graphed=False), dev,
-                                            title=f"{tp}: {T}-token target pass, 10 calls, eager")
+            with native.constants(**PASS_CONSTANTS.get(tp, {})):
+                for _ in range(3):
+                    eng.target_pass(ids, n, ar[:T], tril, graphed=False)
+                figures, table = kernel_profile(lambda: eng.target_pass(ids, n, ar[:T], tril, graphed=False), dev,
+                                                title=f"{tp}: {T}-token target pass, 10 calls, eager")
             row[f"kernels_per_pass_{T}"] = figures["kernels_per_call"]
             row[f"kernel_ms_per_pass_{T}"] = figures["kernel_ms_per_call"]
             tables.append(table)

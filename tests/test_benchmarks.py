@@ -24,29 +24,36 @@ def _last_json(path: Path) -> dict:
     return json.loads(path.read_text().splitlines()[-1])
 
 
-def test_bench_decode_times_every_pass_and_profiles_each(bench_path, tmp_path):
+def test_bench_decode_times_every_pass_and_profiles_each(bench_path, tmp_path, monkeypatch):
     import bench_decode
 
+    from draftport.model import native
+
     out, prof = tmp_path / "decode.json", tmp_path / "profile.txt"
+    linear_rows = []  # the row count of every linear product native-rows' passes make
+    real = native.linear
+    monkeypatch.setattr(native, "linear", lambda x, w, b, rows=0: linear_rows.append(rows) or real(x, w, b, rows))
     assert bench_decode.main(["--target", "random:tiny-gemma3", "--device", "cpu",
-                              "--target-pass", "hf,native,native-whole,native-fast", "--profile", str(prof),
+                              "--target-pass", "hf,native,native-whole,native-fast,native-rows", "--profile", str(prof),
                               "--prefill-lens", "16", "--repeats", "1", "--prompts-n", "2", "--max-new-tokens", "6",
                               "--budget-s", "300", "--out", str(out)]) == 0
     r = _last_json(out)
     sections = ("steps", "target_pass", "profile", "engine", "hf_generate")
     assert not [s for s in sections if "error" in r[s] or "skipped" in r[s]], {s: r[s] for s in sections}
     tp = r["target_pass"]
-    assert tp["passes"] == ["hf", "native", "native-whole", "native-fast"]
+    assert tp["passes"] == ["hf", "native", "native-whole", "native-fast", "native-rows"]
     assert all(tp[p]["step_ms"] > 0 and tp[p]["prefill_16_tok_s"] > 0 for p in tp["passes"])
-    assert [tp[p]["resolved"] for p in tp["passes"]] == ["hf", "native", "native", "native"]
-    # native-fast: unpadded; the others pad on CUDA only (EngineConfig.invariant's default), so not here
-    assert [tp[p]["native"]["invariant"] for p in tp["passes"][1:]] == [False, False, False]
+    assert [tp[p]["resolved"] for p in tp["passes"]] == ["hf", "native", "native", "native", "native"]
+    # native-fast: unpadded; the others pad on CUDA only (EngineConfig.invariant's default), so not here, except
+    # native-rows, which asks for it and pads its linear layers' rows too (restored after its sections)
+    assert [tp[p]["native"]["invariant"] for p in tp["passes"][1:]] == [False, False, False, True]
     assert bench_decode.pass_config("native-fast") == {"target_pass": "native", "invariant": False}
+    assert 16 in linear_rows and native.INVARIANT_LINEAR_ROWS == 0
     # the compile / capture cost of each pass, by shape, beside its steady-state figures
     assert all(set(tp[p]["warmup_s"]) == {"engines", "target_1", "target_4", "target_8", "prefill_16"}
                for p in tp["passes"])
     # one kernel table per pass and token count: the before and after of a change side by side
-    assert set(r["profile"]) - {"seconds"} == {"hf", "native", "native-whole", "native-fast"}
+    assert set(r["profile"]) - {"seconds"} == {"hf", "native", "native-whole", "native-fast", "native-rows"}
     headers = [line for line in prof.read_text().splitlines() if line.startswith("## ")]
     assert headers == [f"## {p}: {T}-token target pass, 10 calls, eager" for p in tp["passes"] for T in (1, 8)]
     assert r["engine"]["plain"]["tok_s"] > 0 and r["engine"]["chain"]["new_tokens"] > 0
@@ -141,8 +148,8 @@ def test_bench_generate_splits_the_time_and_profiles_the_batch_step(bench_path, 
 
 def test_bench_match_compares_every_pass_on_the_same_prompts(bench_path, tmp_path):
     """Every pass evaluates prompt lookup against no speculation on the same prompts; in fp32 each keeps the
-    greedy text (match 1.0, the fp32 equivalence the tests prove); native-fast runs unpadded, native-sdpa leaves
-    native.SMALL_QUERY_ROWS as it found it; a bad pass name is one line and exit 2."""
+    greedy text (match 1.0, the fp32 equivalence the tests prove); native-fast runs unpadded, native-sdpa and
+    native-rows leave native's constants as they found them; a bad pass name is one line and exit 2."""
     import bench_match
 
     from draftport.model import native
@@ -154,16 +161,16 @@ def test_bench_match_compares_every_pass_on_the_same_prompts(bench_path, tmp_pat
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"turns": [f"Say {w} and {w} again."]}) + "\n" for w in ("one", "two")))
     out = tmp_path / "match.json"
-    rows = native.SMALL_QUERY_ROWS
+    rows, linear_rows = native.SMALL_QUERY_ROWS, native.INVARIANT_LINEAR_ROWS
     assert bench_match.main(["--target", str(tmp_path / "target"), "--prompts", str(prompts), "--max-samples", "2",
                              "--max-new-tokens", "8", "--device", "cpu", "--work-dir", str(tmp_path / "w"),
                              "--out", str(out)]) == 0
-    assert native.SMALL_QUERY_ROWS == rows
+    assert (native.SMALL_QUERY_ROWS, native.INVARIANT_LINEAR_ROWS) == (rows, linear_rows)
     r = _last_json(out)
     p = r["passes"]
-    assert list(p) == ["native", "native-fast", "native-sdpa", "hf"] and r["machine"]["device"] == "cpu"
+    assert list(p) == ["native", "native-fast", "native-sdpa", "native-rows", "hf"] and r["machine"]["device"] == "cpu"
     assert all(x["match_rate"] == 1.0 and x["identical_prompts"] == 1.0 and x["tau"] >= 1.0 for x in p.values())
-    assert [x["target_pass"] for x in p.values()] == ["native", "native", "native", "hf"]
+    assert [x["target_pass"] for x in p.values()] == ["native", "native", "native", "native", "hf"]
     assert p["native-fast"]["invariant"] is False and p["hf"]["invariant"] is None
     assert (tmp_path / "w" / "native-sdpa" / "summary.json").exists()
     calls = []  # native-sdpa really sends the small passes to SDPA, native does not

@@ -98,13 +98,14 @@ def _run(dec, cache, seq, start: int, end: int, S: int, aux_ids, logits="all", i
                            logits=logits, invariant=invariant)
 
 
-@pytest.mark.parametrize("small_rows,invariant", [(64, False), (64, True), (0, False)],
-                         ids=["matmul-attention", "matmul-invariant", "sdpa"])
+@pytest.mark.parametrize("small_rows,invariant,linear_rows", [(64, False, 0), (64, True, 0), (64, True, 16), (0, False, 0)],
+                         ids=["matmul-attention", "matmul-invariant", "matmul-invariant-rows", "sdpa"])
 @pytest.mark.parametrize("family", VARIANTS)
-def test_prefill_step_and_verify_match_hf(targets, family, small_rows, invariant, monkeypatch):
+def test_prefill_step_and_verify_match_hf(targets, family, small_rows, invariant, linear_rows, monkeypatch):
     """Every attention path: the small-query matmuls (every pass here has ≤ 64 folded rows), the same padded to
-    one shape, and SDPA."""
+    one shape (with the linear layers' rows padded too, or not), and SDPA."""
     monkeypatch.setattr(native, "SMALL_QUERY_ROWS", small_rows)
+    monkeypatch.setattr(native, "INVARIANT_LINEAR_ROWS", linear_rows)
     run = functools.partial(_run, invariant=invariant)
     t = targets[family]
     total, P, k, S = 22, 12, 4, 32
@@ -181,7 +182,7 @@ def test_invariant_attention_multiplies_one_shape_for_every_pass(targets, monkey
     come out bit for bit the same on a GPU, whose GEMM kernel choice follows the row count), and attend's
     first token from a 4-token call equals a 1-token call's exactly. Without it the two passes multiply
     different shapes. (Whole-pass logits are not compared bit for bit here: the CPU's linear kernels round a
-    1-row and a 4-row product differently; on the GPU the chat-target eval matched 10/10, BENCHMARKS.md.)"""
+    1-row and a 4-row product differently, which native.INVARIANT_LINEAR_ROWS pads away: the next test.)"""
     t = targets["llama"]
     S, P = 32, 10
     dec = NativeDecoder(t.model, positions=S)
@@ -214,6 +215,39 @@ def test_invariant_attention_multiplies_one_shape_for_every_pass(targets, monkey
     one = attend(q[:, :, :1], k, v, ok[:, :, :1], 0.25, True)
     four = attend(q, k, v, ok.repeat(1, 1, G, 1), 0.25, True)
     assert torch.equal(one[0, 0], four[0, 0])
+
+
+def test_invariant_linear_rows_one_shape_and_one_row(targets, monkeypatch):
+    """native.INVARIANT_LINEAR_ROWS on an invariant pass: every linear layer and the head multiply the same
+    padded row count in a 1-token step and a 4-token verify, and the verify's first token comes out bit for bit
+    as the step's (its logits and last hidden state), where the CPU's kernels round the unpadded 1-row and 4-row
+    products differently (the test above this one's docstring). `linear` itself is F.linear on the real rows."""
+    g = torch.Generator().manual_seed(3)
+    w, b = torch.randn(24, 8, generator=g), torch.randn(24, generator=g)
+    for n in (1, 4, 16, 20):
+        x = torch.randn(2, n, 8, generator=g)
+        got = native.linear(x, w, b, 16)
+        assert got.shape == (2, n, 24) and torch.allclose(got, torch.nn.functional.linear(x, w, b), atol=1e-6)
+    monkeypatch.setattr(native, "INVARIANT_LINEAR_ROWS", 16)
+    t = targets["gemma3"]
+    S, P = 32, 10
+    dec = NativeDecoder(t.model, positions=S)
+    seq = _seq(6, P + 4)
+    rows = []
+    real = native.F.linear
+    monkeypatch.setattr(native.F, "linear", lambda x, *a: rows.append(x.numel() // x.shape[-1]) or real(x, *a))
+
+    def passes(T):
+        cache = SlotCache(t.num_layers, S)
+        _run(dec, cache, seq, 0, P, S, (), invariant=True)  # the prompt
+        rows.clear()
+        out = _run(dec, cache, seq, P, P + T, S, (), invariant=True)
+        return out, set(rows)
+
+    (step, step_rows), (verify, verify_rows) = passes(1), passes(4)
+    assert step_rows == verify_rows == {16}  # every linear product and the head: 16 rows in both passes
+    assert torch.equal(step.logits[0, 0], verify.logits[0, 0])
+    assert torch.equal(step.last_hidden[0, 0], verify.last_hidden[0, 0])
 
 
 @pytest.mark.parametrize("G,T", [(4, 1), (4, 8), (2, 40)])

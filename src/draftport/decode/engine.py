@@ -231,8 +231,12 @@ class SpecEngine:
         """The native decoder's report plus what this engine runs of it (None on the HF modules)."""
         if self.native is None:
             return None
+        from draftport.model import native
+
+        # linear_rows: the rows an invariant pass pads its linear layers to (0: not padded), as read now, which is
+        # what the engine's passes read unless a benchmark changed native's constants in between
         return {**self.native.report(), "compiled": self.native_compiled, "scope": self.native_scope,
-                "invariant": self.invariant}
+                "invariant": self.invariant, "linear_rows": native.INVARIANT_LINEAR_ROWS if self.invariant else 0}
 
     def sdpa_choices(self) -> dict[str, str]:
         """The attention kernel each graphed target pass ended up with, by token count ("auto" timing)."""

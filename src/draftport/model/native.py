@@ -39,7 +39,9 @@ builds the decoder once per model and returns the same one afterwards.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import sys
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -127,12 +129,51 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, unit_offset: bool) ->
     return w * y.to(x.dtype)
 
 
-def attn_in(x, ln, wqkv, bqkv, qn, kn, cos, sin, *, hq: int, hkv: int, d: int, eps: float, unit_offset: bool):
+# Rows to which an invariant pass pads the inputs of its linear layers and head (0: not padded). Off until
+# measured. Why it exists: on the H100 (2026-12-06, chat target, bf16) every drafter and hybrid run left the
+# no-speculation text at the same token of 5 of 10 held-out prompts whatever it drafted, so the 4-token verify
+# rounds each row one way and the 1-token step another, with the attention already padded. The profile
+# of that call shows two of each layer's four linear GEMMs running another cuBLAS kernel at 1 row than at
+# 8. Padding every pass's rows to one count gives them one shape, as SMALL_QUERY_ROWS does for attention.
+# benchmarks/bench_match.py's native-rows pass turns it on.
+INVARIANT_LINEAR_ROWS = 0
+
+
+@contextlib.contextmanager
+def constants(**values: int):
+    """This module's constants (SMALL_QUERY_ROWS, INVARIANT_LINEAR_ROWS) set for a block, restored after: a
+    benchmark runs one pass variant per engine (an engine's graphs keep what was read when they were captured)."""
+    mod = sys.modules[__name__]
+    unknown = [k for k in values if k not in ("SMALL_QUERY_ROWS", "INVARIANT_LINEAR_ROWS")]
+    if unknown:
+        raise ValueError(f"not a constant of this module: {', '.join(unknown)}")
+    old = {k: getattr(mod, k) for k in values}
+    try:
+        for k, v in values.items():
+            setattr(mod, k, v)
+        yield
+    finally:
+        for k, v in old.items():
+            setattr(mod, k, v)
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, rows: int = 0) -> torch.Tensor:
+    """F.linear over x's rows; fewer than `rows` rows are padded to `rows` for the matmul and sliced back,
+    so passes of 1 to `rows` tokens multiply matrices of one shape (0: plain F.linear)."""
+    n = x.numel() // x.shape[-1]
+    if n >= rows:
+        return F.linear(x, w, b)
+    flat = F.pad(x.reshape(n, x.shape[-1]), (0, 0, 0, rows - n))
+    return F.linear(flat, w, b)[:n].view(*x.shape[:-1], w.shape[0])
+
+
+def attn_in(x, ln, wqkv, bqkv, qn, kn, cos, sin, rows: int = 0, *, hq: int, hkv: int, d: int, eps: float,
+            unit_offset: bool):
     """x [B, T, H] -> q [B, Hq, T, D], k, v [B, Hkv, T, D]: input norm, one qkv matmul, q/k norms, rotary.
-    cos/sin [B, T, D]."""
+    cos/sin [B, T, D]; rows: `linear`'s padding."""
     B, T, _ = x.shape
     h = rms_norm(x, ln, eps, unit_offset)
-    qkv = F.linear(h, wqkv, bqkv)
+    qkv = linear(h, wqkv, bqkv, rows)
     q, k, v = qkv.split((hq * d, hkv * d, hkv * d), dim=-1)
     q, k, v = q.view(B, T, hq, d), k.view(B, T, hkv, d), v.view(B, T, hkv, d)
     if qn is not None:  # Qwen3 / Gemma-3: RMSNorm over each head's D before the rotation
@@ -192,12 +233,12 @@ def fold_mask(mask: torch.Tensor | None, G: int, T: int) -> torch.Tensor | None:
     return mask
 
 
-def attn_out_mlp(x, a, wo, bo, ln_a, ln_b, ln_c, wgu, bgu, wdown, bdown, *, act, eps: float, unit_offset: bool,
-                 sandwich: bool):
+def attn_out_mlp(x, a, wo, bo, ln_a, ln_b, ln_c, wgu, bgu, wdown, bdown, rows: int = 0, *, act, eps: float,
+                 unit_offset: bool, sandwich: bool):
     """The rest of a layer: o-projection and residual, then the MLP and residual. sandwich (Gemma): the
     attention and MLP outputs are normed too (ln_a after attention, ln_b before the MLP, ln_c after it);
-    otherwise ln_a is the post-attention (pre-MLP) norm."""
-    o = F.linear(a, wo, bo)
+    otherwise ln_a is the post-attention (pre-MLP) norm. rows: `linear`'s padding."""
+    o = linear(a, wo, bo, rows)
     if sandwich:
         o = rms_norm(o, ln_a, eps, unit_offset)
         x = x + o
@@ -205,8 +246,8 @@ def attn_out_mlp(x, a, wo, bo, ln_a, ln_b, ln_c, wgu, bgu, wdown, bdown, *, act,
     else:
         x = x + o
         h = rms_norm(x, ln_a, eps, unit_offset)
-    g, u = F.linear(h, wgu, bgu).chunk(2, dim=-1)
-    m = F.linear(act(g) * u, wdown, bdown)
+    g, u = linear(h, wgu, bgu, rows).chunk(2, dim=-1)
+    m = linear(act(g) * u, wdown, bdown, rows)
     if sandwich:
         m = rms_norm(m, ln_c, eps, unit_offset)
     return x + m
@@ -461,16 +502,17 @@ class NativeDecoder:
         rope = {kind: (c.index_select(0, flat).view(B, T, -1), s.index_select(0, flat).view(B, T, -1))
                 for kind, (c, s) in self._tables.items()}
         masks = self._masks(masks, T)
+        rows = INVARIANT_LINEAR_ROWS if invariant else 0  # read per pass: a benchmark may switch it per engine
         want = set(aux_layers)
         grabbed: dict[int, torch.Tensor] = {}
         for i, L in enumerate(self.layers):
             if i in want:
                 grabbed[i] = x
             cos, sin = rope[L.kind]
-            q, k, v = attn_in_fn(x, L.ln_in, L.wqkv, L.bqkv, L.q_norm, L.k_norm, cos, sin)
+            q, k, v = attn_in_fn(x, L.ln_in, L.wqkv, L.bqkv, L.q_norm, L.k_norm, cos, sin, rows)
             keys, values = cache.layers[i].update(k, v)
             a = attend_fn(q, keys, values, masks[L.kind], L.scaling, invariant)
-            x = attn_out_fn(x, a, L.wo, L.bo, L.ln_a, L.ln_b, L.ln_c, L.wgu, L.bgu, L.wdown, L.bdown)
+            x = attn_out_fn(x, a, L.wo, L.bo, L.ln_a, L.ln_b, L.ln_c, L.wgu, L.bgu, L.wdown, L.bdown, rows)
         last = rms_norm(x, self.final_norm, self.eps, self.unit_offset)
         aux = None
         if aux_layers:
@@ -478,7 +520,7 @@ class NativeDecoder:
         out_logits = None
         if logits is not None:
             h = last[:, -1:] if logits == "last" else last
-            out_logits = apply_logit_postprocessing(F.linear(h, self.head_weight), self.model.config)
+            out_logits = apply_logit_postprocessing(linear(h, self.head_weight, None, rows), self.model.config)
         return out_logits, aux, last
 
     __call__ = forward
