@@ -15,8 +15,10 @@ draftport verb takes as --target, with two additions so that it behaves as the c
 - its generation_config lists `<end_of_turn>` among the eos ids, so a turn ends there whichever
   template resolves (the named one adds the marker to the stop ids itself; the tokenizer's does not).
 `make_chat_target.json` beside it records the recipe, the loss (first, last, mean of the last 50
-steps, every step), the wall time and the sha256 of model.safetensors — a record, not a promise: bf16
-GPU training is not bit-exact from run to run.
+steps, every step), the wall time and the sha256 of model.safetensors. On CUDA the training runs PyTorch's
+deterministic kernels where it has them (--no-deterministic: the faster defaults), so that two builds on one
+card and one software stack should give one set of weights; the record names any op PyTorch warned has no
+deterministic kernel. Across cards or versions the weights differ, and so can the floor.
 
     python examples/make_chat_target.py --target-a $DRAFTPORT_GGUF --data sharegpt --out runs/chat-target
 
@@ -124,10 +126,11 @@ def make_chat_target(args) -> dict:
           f"{ex.num_trained_tokens:,} in model turns, sha256 {ex.sha256[:12]}", file=sys.stderr)
 
     cfg = FinetuneConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed, device=device,
-                         tag=TAG)
+                         deterministic=args.deterministic, tag=TAG)
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
     t1 = time.perf_counter()
-    losses = finetune(model, ex.pairs, pad, cfg)
+    kernels: dict = {}
+    losses = finetune(model, ex.pairs, pad, cfg, report=kernels)
     if device == "cuda":
         torch.cuda.synchronize()
     train_s = time.perf_counter() - t1
@@ -149,7 +152,7 @@ def make_chat_target(args) -> dict:
         "data_sha256": ex.sha256, "eos_token_ids": gen.eos_token_id,
         **loss_summary(losses), "losses": [round(x, 4) for x in losses],
         "train_seconds": train_s, "seconds": time.perf_counter() - t0, "weights_sha256": sha,
-        "torch": torch.__version__,
+        "torch": torch.__version__, **kernels,
     }
     atomic_write_json(os.path.join(args.out, f"{TAG}.json"), record)
     print(f"{TAG}: loss {record['loss_first']:.3f} → {record['loss_last_mean']:.3f} (mean of the last "
@@ -180,7 +183,11 @@ def main(argv=None) -> int:
                    help="leave the tokenizer without a chat template (then every verb needs --chat-template gemma)")
     p.add_argument("--device", default=None, choices=["cpu", "cuda"])
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--deterministic", action=argparse.BooleanOptionalAction, default=True,
+                   help="CUDA: deterministic kernels where PyTorch has them (default on; see the record)")
     args = p.parse_args(argv)
+    if args.deterministic:  # before anything starts cuBLAS, which reads it once
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     for name in ("steps", "batch_size", "max_len", "max_chars"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")

@@ -13,10 +13,12 @@ Imported by the scripts beside it (`python examples/<script>.py` puts this folde
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 import os
 import sys
+import warnings
 from dataclasses import dataclass, field
 
 # the only draftport modules the example scripts import: draftport.data (conversations, chat),
@@ -34,6 +36,7 @@ class FinetuneConfig:
     clip_norm: float = 1.0            # gradient norm clip: a long ShareGPT turn must not blow up a step
     seed: int = 0                     # the data order (and nothing else: the model starts from the target)
     device: str = "cpu"               # cuda: fp32 master weights, bf16 autocast; cpu: fp32 throughout
+    deterministic: bool = False       # cuda: PyTorch's deterministic kernels where it has them (deterministic_kernels)
     log_every: int = 50               # progress line every N steps (and the last)
     tag: str = "sft"                  # prefix of the progress lines
 
@@ -117,8 +120,47 @@ def lr_factor(step: int, steps: int, warmup_fraction: float) -> float:
     return min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(step, steps) / steps))
 
 
-def finetune(model, examples: list, pad_id: int, cfg: FinetuneConfig) -> list[float]:
-    """Train `model` in place (it must already be fp32 on cfg.device); returns the loss of every step."""
+# What PyTorch's warnings say of an op with no deterministic kernel (and of cuBLAS without its workspace setting)
+_NONDETERMINISTIC = ("does not have a deterministic implementation", "is not deterministic")
+
+
+@contextlib.contextmanager
+def deterministic_kernels(enabled: bool):
+    """torch.use_deterministic_algorithms(True, warn_only=True) for a block, restored after; yields a list that
+    collects, once each, the ops PyTorch warned have no deterministic kernel (other warnings are shown as usual).
+    Why: bf16 training on a GPU is not bit-exact from run to run (atomics in some backward kernels, cuBLAS's
+    workspace), so two chat targets from one recipe differed in their weights and in their prompt-lookup floor
+    by up to 0.24 τ (BENCHMARKS.md, 2026-12-06). With these kernels two runs on one card and one software stack
+    should give one set of weights; an op left nondeterministic is named in the record instead of failing
+    the run. CUBLAS_WORKSPACE_CONFIG is read when cuBLAS starts: the calling script sets it first."""
+    import torch
+
+    seen: list[str] = []
+    if not enabled:
+        yield seen
+        return
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            yield seen
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+    for w in caught:
+        text = str(w.message)
+        if any(m in text for m in _NONDETERMINISTIC):
+            first = text.strip().splitlines()[0][:200]
+            if first not in seen:
+                seen.append(first)
+        else:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+
+
+def finetune(model, examples: list, pad_id: int, cfg: FinetuneConfig, report: dict | None = None) -> list[float]:
+    """Train `model` in place (it must already be fp32 on cfg.device); returns the loss of every step. report,
+    if given, receives "deterministic" (whether the deterministic kernels were on) and "nondeterministic_ops"."""
     import torch
 
     if not examples:
@@ -132,20 +174,23 @@ def finetune(model, examples: list, pad_id: int, cfg: FinetuneConfig) -> list[fl
     cuda = cfg.device == "cuda"
     losses: list[float] = []
     pending = []  # device-side losses, read back only at logging steps: a .item() a step stalls the GPU
-    for step, batch in enumerate(batches(examples, cfg.batch_size, cfg.seed, cfg.steps)):
-        ids, labels, attn = (t.to(cfg.device, non_blocking=True) for t in collate(batch, pad_id))
-        with torch.autocast(device_type="cuda", dtype=torch.bfloat16, enabled=cuda):
-            loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_norm)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        pending.append(loss.detach())
-        if step % cfg.log_every == 0 or step == cfg.steps - 1:
-            losses += [float(x) for x in torch.stack(pending).cpu()]
-            pending = []
-            print(f"{cfg.tag}: step {step + 1}/{cfg.steps} loss {losses[-1]:.3f}", file=sys.stderr)
+    with deterministic_kernels(cuda and cfg.deterministic) as nondeterministic:
+        for step, batch in enumerate(batches(examples, cfg.batch_size, cfg.seed, cfg.steps)):
+            ids, labels, attn = (t.to(cfg.device, non_blocking=True) for t in collate(batch, pad_id))
+            with torch.autocast(device_type="cuda", dtype=torch.bfloat16, enabled=cuda):
+                loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_norm)
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+            pending.append(loss.detach())
+            if step % cfg.log_every == 0 or step == cfg.steps - 1:
+                losses += [float(x) for x in torch.stack(pending).cpu()]
+                pending = []
+                print(f"{cfg.tag}: step {step + 1}/{cfg.steps} loss {losses[-1]:.3f}", file=sys.stderr)
+    if report is not None:
+        report.update(deterministic=cuda and cfg.deterministic, nondeterministic_ops=nondeterministic)
     model.eval()
     for prm in model.parameters():
         prm.requires_grad_(False)

@@ -114,6 +114,8 @@ def test_make_chat_target_tiny(examples_path, tiny_gemma_dir, convs_file, tmp_pa
     assert rec["loss_last_mean"] < rec["loss_first_mean"] and rec["examples"] == len(CONVS)
     assert rec["recipe"]["lr"] == 1e-3 and rec["recipe"]["chat_template"] == "gemma"
     assert rec["weights_sha256"] != sha256_file(tiny_gemma_dir / "model.safetensors")  # it did train
+    # deterministic kernels are a CUDA setting: asked for (the default) but off on the CPU, and said so
+    assert rec["recipe"]["deterministic"] is True and rec["deterministic"] is False and rec["nondeterministic_ops"] == []
 
     t = load_target(str(out), device="cpu", dtype="fp32")
     tok = t.tokenizer
@@ -129,6 +131,30 @@ def test_make_chat_target_tiny(examples_path, tiny_gemma_dir, convs_file, tmp_pa
     again = tmp_path / "again"
     assert main(argv + ["--out", str(again)]) == 0
     assert json.loads((again / "make_chat_target.json").read_text())["weights_sha256"] == rec["weights_sha256"]
+
+
+def test_deterministic_kernels_name_what_has_none_and_restore(examples_path):
+    """sft.deterministic_kernels: PyTorch's deterministic mode (warn only) inside, the previous mode after; the
+    warnings that name an op without a deterministic kernel are collected once each, the others still shown."""
+    import warnings
+
+    import torch
+
+    from sft import deterministic_kernels
+
+    before = torch.are_deterministic_algorithms_enabled()
+    with pytest.warns(UserWarning, match="unrelated"):
+        with deterministic_kernels(True) as seen:
+            assert torch.are_deterministic_algorithms_enabled()
+            assert torch.is_deterministic_algorithms_warn_only_enabled()
+            for _ in range(2):
+                warnings.warn("scatter_add_cuda_kernel does not have a deterministic implementation, but you set ...")
+            warnings.warn("an unrelated warning")
+    assert seen == ["scatter_add_cuda_kernel does not have a deterministic implementation, but you set ..."]
+    assert torch.are_deterministic_algorithms_enabled() == before
+    with deterministic_kernels(False) as seen:
+        assert torch.are_deterministic_algorithms_enabled() == before
+    assert seen == []
 
 
 def test_chat_target_examples_do_not_depend_on_an_earlier_cut(examples_path, tmp_path):
