@@ -132,14 +132,15 @@ def deterministic_kernels(enabled: bool):
     workspace), so two chat targets from one recipe differed in their weights and in their prompt-lookup floor
     by up to 0.24 τ (BENCHMARKS.md, 2026-12-06). With these kernels two runs on one card and one software stack
     should give one set of weights; an op left nondeterministic is named in the record instead of failing
-    the run. CUBLAS_WORKSPACE_CONFIG is read when cuBLAS starts: the calling script sets it first."""
+    the run. cuBLAS reads CUBLAS_WORKSPACE_CONFIG once, when it starts, so the calling script sets it before
+    anything runs on the GPU (make_chat_target.main); set later it changes nothing, and cuBLAS's warning lands
+    in the list."""
     import torch
 
     seen: list[str] = []
     if not enabled:
         yield seen
         return
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
     torch.use_deterministic_algorithms(True, warn_only=True)
     try:

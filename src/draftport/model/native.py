@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import sys
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -143,18 +142,15 @@ INVARIANT_LINEAR_ROWS = 0
 def constants(**values: int):
     """This module's constants (SMALL_QUERY_ROWS, INVARIANT_LINEAR_ROWS) set for a block, restored after: a
     benchmark runs one pass variant per engine (an engine's graphs keep what was read when they were captured)."""
-    mod = sys.modules[__name__]
     unknown = [k for k in values if k not in ("SMALL_QUERY_ROWS", "INVARIANT_LINEAR_ROWS")]
     if unknown:
         raise ValueError(f"not a constant of this module: {', '.join(unknown)}")
-    old = {k: getattr(mod, k) for k in values}
+    old = {k: globals()[k] for k in values}
     try:
-        for k, v in values.items():
-            setattr(mod, k, v)
+        globals().update(values)
         yield
     finally:
-        for k, v in old.items():
-            setattr(mod, k, v)
+        globals().update(old)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, rows: int = 0) -> torch.Tensor:
