@@ -199,6 +199,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-vocab-size", type=int, default=None, help="default min(32000, V)")
     p.add_argument("--lm-head-from-target", action="store_true",
                    help="from scratch: the drafter's lm_head starts as the target's head rows (same hidden size)")
+    p.add_argument("--aux-scale", action="store_true",
+                   help="from scratch: train fc on each aux state divided by its RMS on the first batch (Gemma's "
+                        "states differ 20x in size from layer to layer); saved drafters hold fc with the scale "
+                        "folded in, so engines load plain EAGLE-3 weights")
     p.add_argument("--aux-layers", type=_aux_list, default=None,
                    help="'input of decoder layer i' ids fed to the drafter (default: the store's, else 2,L//2,L-3)")
     p.add_argument("--lr", type=float, default=None, help="peak learning rate (default 1e-4, 5e-5 with --init-from)")

@@ -581,6 +581,12 @@ def publish_milestone(ckpt: str | os.PathLike, out: str | os.PathLike, mark: int
     return dest
 
 
+def fold_aux_scale(fc_weight: torch.Tensor, inv_scale: torch.Tensor) -> torch.Tensor:
+    """fc's weight [H, n·Ht] for raw aux states, from one trained on aux · inv_scale (per column): in fp32,
+    so the fold adds no rounding before the serving dtype's."""
+    return fc_weight.float() * inv_scale.float().to(fc_weight.device)[None, :]
+
+
 def export_copy(spec, state: dict[str, torch.Tensor]):
     """A bf16 CPU Eagle3Drafter holding a full (gathered) state, for formats.save_drafter."""
     from torch import nn
@@ -591,6 +597,8 @@ def export_copy(spec, state: dict[str, torch.Tensor]):
     exp.embed_tokens.weight = nn.Parameter(torch.empty(0, spec.hidden_size), requires_grad=False)  # not saved
     exp.to_empty(device="cpu")
     sd = {k[len("drafter."):]: v for k, v in state.items() if k.startswith("drafter.")}
+    if "aux_inv_scale" in state:  # train --aux-scale: fc(x · s) = (W · s) x, so the saved fc reads raw aux states
+        sd["fc.weight"] = fold_aux_scale(sd["fc.weight"], state["aux_inv_scale"])
     missing, unexpected = exp.load_state_dict(sd, strict=False)
     if [m for m in missing if not m.startswith("embed_tokens.")] or unexpected:
         raise DraftportError(f"internal: export state mismatch ({missing[:3]}, {unexpected[:3]})")

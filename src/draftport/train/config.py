@@ -82,6 +82,8 @@ class TrainConfig:
     loss_chunk: int = 8192               # positions per chunk of the fused lm_head + soft CE
     attention: str = "auto"              # TTT attention: flex (fused, CUDA) | eager | auto (flex on CUDA)
     lm_head_from_target: bool = False    # from scratch: lm_head rows start as the target's head rows
+    aux_scale: bool = False              # from scratch: fc reads each aux state divided by its RMS on the first
+                                         # batch (a constant, folded into fc's columns in every saved drafter)
     target_cache_mb: int = 1024          # CPU: keep target-head results per sample up to this size
     activation_checkpointing: bool = False  # recompute the MLP in backward (long sequences)
     log_every: int | None = None         # metrics line every N steps (None: 1 on cpu, 10 on cuda); syncs
@@ -110,6 +112,9 @@ class TrainConfig:
             raise DraftportError(f"--save-at-tokens must list positive token counts (got {self.save_at_tokens})")
         if self.group_by_length < 0:
             raise DraftportError(f"--group-by-length must be 0 (off) or a number of batches (got {self.group_by_length})")
+        if self.aux_scale and self.init_from:
+            raise DraftportError("--aux-scale sets fc's input scale of a drafter trained from scratch; a warm start "
+                                 "(--init-from) keeps the scale its fc weights were trained with")
         if r.batch_size < 1 or r.ttt_steps < 1 or r.max_nonfinite_steps < 1:
             raise DraftportError(f"--batch-size, --ttt-steps and --max-nonfinite-steps must be at least 1 "
                                  f"(got {r.batch_size}, {r.ttt_steps}, {r.max_nonfinite_steps})")

@@ -45,7 +45,7 @@ from draftport.errors import DraftportError, bad_input
 from draftport.train.losses import DEFAULT_DECAY, conditional_hit_counts, simulated_accept_len
 from draftport.safeio import atomic_write_json
 from draftport.train.config import TrainConfig
-from draftport.train.samples import HeadCache, Samples, ttt_inputs
+from draftport.train.samples import HeadCache, Samples, aux_inv_scale, ttt_inputs
 from draftport.train.ttt import TTTModel, enable_activation_checkpointing
 
 EMBED = "drafter.embed_tokens."   # FQN prefix of the frozen target embedding: never checkpointed
@@ -193,6 +193,8 @@ def request_config(cfg: TrainConfig, device: torch.device) -> dict:
         skip |= {"regenerate", *REGEN_KEYS}
     if not cfg.group_by_length:  # off decides nothing new (and runs made before the option resume)
         skip.add("group_by_length")
+    if not cfg.aux_scale:  # likewise
+        skip.add("aux_scale")
     d = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name not in skip}
     for key in ("target", "data", "init_from"):
         if d[key] and os.path.exists(d[key]):
@@ -371,8 +373,14 @@ def _run(cfg: TrainConfig, info, target, console) -> dict:
     warmup = max(1, round(cfg.warmup_ratio * steps))
     if cfg.activation_checkpointing:
         enable_activation_checkpointing(drafter)
+    inv_scale = None
+    if cfg.aux_scale:  # every rank reads the same first samples, so every rank gets the same constant
+        first = data.batch([train_idx[i] for i in range(min(B, len(train_idx)))], layers)
+        inv_scale, rms = aux_inv_scale(first["aux"].to(dev), first["attention_mask"], len(layers))
+        notes["aux_rms"] = [round(r, 4) for r in rms]  # a resumed run restores the saved constant over this one
+        console.print(f"--aux-scale: aux states' RMS on the first batch {notes['aux_rms']} (fc reads them divided)")
     model = TTTModel(drafter, k, cfg.loss_chunk, attention, compile=run.compile,
-                     regions="elementwise" if info.distributed else "layer")
+                     regions="elementwise" if info.distributed else "layer", aux_inv_scale=inv_scale)
     bf16 = dtype == "bf16"
     parallel.apply_fsdp(model, info, ignored_params={drafter.embed_tokens.weight}, bf16=bf16)
     amp = (lambda: torch.autocast(dev.type, dtype=torch.bfloat16)) if bf16 and not info.distributed else nullcontext

@@ -10,7 +10,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from draftport.errors import bad_input
+from draftport.errors import DraftportError, bad_input
 from draftport.train.losses import position_valid, shift_left
 from draftport.train.parallel import DistInfo, all_reduce_sum
 
@@ -134,6 +134,24 @@ class Samples:
 
 def hash_text(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+@torch.no_grad()
+def aux_inv_scale(aux: torch.Tensor, attention_mask: torch.Tensor, n: int) -> tuple[torch.Tensor, list[float]]:
+    """train --aux-scale's constant: 1 / the RMS of each of the n aux states [B, T, n·Ht] over a batch's real
+    positions after each sequence's first, repeated over its Ht columns ([n·Ht] float32), and the n RMS
+    values. The first position is left out because it is an attention sink: on Gemma-3-270M its states are
+    5-80x the others', and one row a sample would set the scale."""
+    B, T, W = aux.shape
+    keep = attention_mask.to(aux.device).bool().clone()
+    if T > 1 and bool(keep[:, 1:].any()):
+        keep[:, 0] = False
+    x = aux.float()[keep].view(-1, n, W // n)
+    rms = x.pow(2).mean(dim=(0, 2)).sqrt()
+    if not bool(torch.isfinite(rms).all()) or bool((rms <= 0).any()):
+        raise DraftportError(f"--aux-scale: the first batch's aux states have RMS {rms.tolist()}; "
+                             "a scale needs finite, non-zero states")
+    return rms.reciprocal().repeat_interleave(W // n), [float(r) for r in rms]
 
 
 @torch.no_grad()

@@ -215,12 +215,21 @@ class TTTModel(nn.Module):
     RoPE and act·up compiled one by one."""
 
     def __init__(self, drafter: nn.Module, k: int, rows_per_chunk: int, attention: str = "eager",
-                 compile: bool = False, regions: str = "layer"):
+                 compile: bool = False, regions: str = "layer", aux_inv_scale: torch.Tensor | None = None):
         super().__init__()
         if regions not in ("layer", "elementwise"):
             raise ValueError(f"regions {regions!r}: expected layer or elementwise")
         self.drafter, self.k, self.rows_per_chunk, self.attention = drafter, k, rows_per_chunk, attention
         self.compile, self.regions = compile, regions
+        # train --aux-scale: fc reads aux * aux_inv_scale ([n·Ht], one constant per aux state). Under AdamW a
+        # weight moves by about lr whatever its input's size, so an input 20x larger (Gemma's layer 15 against
+        # layer 2) moves fc's output 20x faster; dividing each state by its RMS evens that out. A buffer only
+        # when on: the state of a run without it (and its checkpoints) stays as before. export_copy folds it
+        # into fc's columns, so a saved drafter is plain EAGLE-3.
+        if aux_inv_scale is not None:
+            self.register_buffer("aux_inv_scale", aux_inv_scale.detach().float().clone())
+        else:
+            self.aux_inv_scale = None
 
     def forward(self, aux, ids0, mask0, target0, argmax0, counts, with_hits: bool = False):
         """aux [B,T,n·Ht]; ids0, argmax0 [B,T] long; mask0 [B,T] bool; target0 [B,T+k,Vd] target logits
@@ -239,7 +248,7 @@ class TTTModel(nn.Module):
         B, T = ids0.shape
         pos = torch.arange(T, device=ids0.device)
         cache = TTTCache.empty(d.num_layers)  # right padding: causal keys never reach the pads
-        hidden = d.project(aux)
+        hidden = d.project(aux if self.aux_inv_scale is None else aux * self.aux_inv_scale.to(aux.dtype))
         step = self._region_step(d, T + k - 1, ids0.device) if self.compile and self.regions == "layer" else None
         loss, stats, hits_all, masks_all = 0.0, [], [], []
         for i in range(k):
