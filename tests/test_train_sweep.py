@@ -62,6 +62,20 @@ def test_sweep_runs_ranks_and_resumes(sweep, tmp_path, capsys):
     assert sweep.main(argv) == 0  # a rerun trains nothing
     assert (out / "lr=0.0001,batch_size=2" / "summary.json").stat().st_mtime_ns == first
     assert "train_sweep: lr=" not in capsys.readouterr().err
+    # --no-run: the table from the finished runs alone, the data gone (as on a CPU after a GPU call), a point
+    # that never finished listed as such, nothing trained
+    import shutil
+
+    shutil.rmtree(out / "lr=0.02,batch_size=4")
+    data.unlink()
+    assert sweep.main([*argv, "--no-run"]) == 0
+    res = json.loads((out / "sweep.json").read_text())
+    assert len(res["rows"]) == 3 and res["not_finished"] == ["lr=0.02,batch_size=4"]
+    assert not (out / "lr=0.02,batch_size=4").exists() and "Not finished (not ranked): lr=0.02,batch_size=4" in (
+        out / "sweep.md").read_text()
+    shutil.rmtree(out)
+    out.mkdir()
+    assert sweep.main([*argv, "--no-run"]) == 2 and "no finished run" in capsys.readouterr().err
 
 
 def test_sweep_refuses_bad_input(sweep, tmp_path, capsys):
@@ -91,7 +105,8 @@ def test_gpu_recipe_sweep_stage_parses(sweep, tmp_path):
     args = sweep.build_parser().parse_args(cmds[0][2:])
     assert args.data == f"{tmp_path}/train-chat/regenerated.jsonl" and args.equal_tokens
     sets = dict(x.split("=", 1) for x in args.set)  # the base is the train stage's own setting
-    assert (sets["lr"], sets["ttt_steps"], sets["batch_size"], sets["group_by_length"]) == ("1e-3", "4", "64", "0")
+    assert (sets["lr"], sets["ttt_steps"], sets["batch_size"], sets["group_by_length"], sets["aux_scale"]) == (
+        "1e-3", "4", "64", "32", "true")
     two = subprocess.run(["bash", str(EXAMPLES / "gpu_recipe.sh"), "sweep"], capture_output=True, text=True,
                          env={**env, "SWEEP_GRID": "lr=5e-4,2e-3;ttt_steps=6"})
     line = next(x for x in two.stdout.splitlines() if x.startswith("+ "))
