@@ -276,12 +276,14 @@ def test_sigkill_mid_run_then_rerun_equals_uninterrupted(store, tmp_path):
 
 
 @pytest.mark.slow
-def test_torchrun_two_gloo_ranks_equal_one_process(store, tmp_path):
-    one = subprocess.run(_train_cmd(store, tmp_path / "one", "--steps", "3"), env=_env(), capture_output=True,
+@pytest.mark.parametrize("extra", [(), ("--aux-scale",)], ids=["plain", "aux-scale"])
+def test_torchrun_two_gloo_ranks_equal_one_process(store, tmp_path, extra):
+    # --aux-scale: each rank computes the constant from the same global first batch, so the ranks agree
+    one = subprocess.run(_train_cmd(store, tmp_path / "one", "--steps", "3", *extra), env=_env(), capture_output=True,
                          text=True, timeout=600)
     assert one.returncode == 0, one.stderr[-2000:]
     two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                          "-m", *_train_cmd(store, tmp_path / "two", "--steps", "3")[2:]],
+                          "-m", *_train_cmd(store, tmp_path / "two", "--steps", "3", *extra)[2:]],
                          env=_env(), capture_output=True, text=True, timeout=600)
     assert two.returncode == 0, two.stderr[-3000:]
     ma = [json.loads(x) for x in open(tmp_path / "one/metrics.jsonl")]
@@ -298,6 +300,7 @@ def test_torchrun_two_gloo_ranks_equal_one_process(store, tmp_path):
             torch.testing.assert_close(b[k], a[k], rtol=0, atol=1e-4)
             assert (b[k].double() - a[k].double()).abs().mean() < 1e-6, k
     assert "rng.rank1.cpu" in b and json.load(open(tmp_path / "two/summary.json"))["world_size"] == 2
+    assert ("model.aux_inv_scale" in b) == bool(extra)
 
 
 @pytest.mark.gpu
