@@ -120,9 +120,9 @@ def lr_factor(step: int, steps: int, warmup_fraction: float) -> float:
     return min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(step, steps) / steps))
 
 
-# What PyTorch's warnings say of an op with no deterministic kernel (and of cuBLAS without its workspace setting,
-# and of the fused attention backwards: "cuDNN Attention defaults to a non-deterministic algorithm", which the
-# sixteenth session's build shows a pattern list without it missed)
+# What PyTorch's warnings say of an op with no deterministic kernel, of cuBLAS without its workspace setting, and
+# of SDPA's fused backwards ("cuDNN Attention defaults to a non-deterministic algorithm": the wording the sixteenth
+# session's builds logged, which the first two patterns did not match, so their record said none)
 _NONDETERMINISTIC = ("does not have a deterministic implementation", "is not deterministic",
                      "non-deterministic algorithm")
 
@@ -139,7 +139,6 @@ def deterministic_kernels(enabled: bool):
     anything runs on the GPU (make_chat_target.main); set later it changes nothing, and cuBLAS's warning lands
     in the list."""
     import torch
-
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     seen: list[str] = []

@@ -50,9 +50,10 @@ def test_inverse_scale_is_each_states_rms_past_the_first_position():
 
 def test_folded_fc_on_raw_states_equals_the_scaled_training_input():
     torch.manual_seed(1)
-    d = Eagle3Drafter.from_config({"architectures": ["LlamaForCausalLMEagle3"], "hidden_size": 16, "num_attention_heads": 2, "num_key_value_heads": 1,
-                                   "head_dim": 8, "intermediate_size": 32, "vocab_size": 64,
-                                   "draft_vocab_size": 32, "target_hidden_size": 16}, seed=0, dtype=torch.float32)
+    d = Eagle3Drafter.from_config({"architectures": ["LlamaForCausalLMEagle3"], "hidden_size": 16,
+                                   "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 8,
+                                   "intermediate_size": 32, "vocab_size": 64, "draft_vocab_size": 32,
+                                   "target_hidden_size": 16}, seed=0, dtype=torch.float32)
     n, Ht = d.spec.num_aux_layers, d.spec.target_hidden_size
     inv = torch.tensor([1 / 40.0, 1 / 230.0, 1 / 860.0]).repeat_interleave(Ht)   # Gemma-3-270M's sizes
     model = TTTModel(d, k=2, rows_per_chunk=64, aux_inv_scale=inv)
