@@ -55,7 +55,7 @@ REGEN_ENGINE=${REGEN_ENGINE:-batch}
 TRAIN_STEPS=${TRAIN_STEPS:-1180}; TRAIN_BATCH=${TRAIN_BATCH:-64}; TRAIN_LR=${TRAIN_LR:-1e-3}; TTT=${TTT:-4}
 GROUP_BY_LENGTH=${GROUP_BY_LENGTH:-32}  # train --group-by-length (0: random batches, the 21 M-token run's)
 AUX_SCALE=${AUX_SCALE:-1}  # 1: train --aux-scale (fc reads each aux state over its RMS; saved fc folds it back)
-AUX_FLAG=(); [ "$AUX_SCALE" = 1 ] && AUX_FLAG=(--aux-scale)
+AUX_FLAG=(); AUX_SET=false; [ "$AUX_SCALE" = 1 ] && AUX_FLAG=(--aux-scale) && AUX_SET=true  # train's flag, the sweep's --set
 MARKS=${MARKS:-500k,2M,5M,10M}; SAVE_EVERY=${SAVE_EVERY:-250}
 CHAT_STEPS=${CHAT_STEPS:-700}; CHAT_BATCH=${CHAT_BATCH:-16}; CHAT_CONVS=${CHAT_CONVS:-10520}; CHAT_MAX_LEN=${CHAT_MAX_LEN:-512}
 EVAL_SAMPLES=${EVAL_SAMPLES:-10}; EVAL_NEW_TOKENS=${EVAL_NEW_TOKENS:-200}; DEPTH=${DEPTH:-3}
@@ -126,7 +126,7 @@ if named sweep; then
   # the base every grid varies around is the train stage's own setting, so the sweep says whether to change it
   run "$PY" examples/train_sweep.py --target "$CHAT" --chat-template gemma --data "$OUT/train-chat/regenerated.jsonl" \
       "${grids[@]}" --steps "$SWEEP_STEPS" --equal-tokens --set batch_size="$TRAIN_BATCH" --set lr="$TRAIN_LR" \
-      --set ttt_steps="$TTT" --set group_by_length="$GROUP_BY_LENGTH" --set aux_scale="$([ "$AUX_SCALE" = 1 ] && echo true || echo false)" --set max_len="$MAX_LEN" \
+      --set ttt_steps="$TTT" --set group_by_length="$GROUP_BY_LENGTH" --set aux_scale="$AUX_SET" --set max_len="$MAX_LEN" \
       --set lm_head_from_target=true --device "$DEVICE" --out "$OUT/sweep"
   lap "sweep"
 fi

@@ -374,10 +374,12 @@ def _run(cfg: TrainConfig, info, target, console) -> dict:
     if cfg.activation_checkpointing:
         enable_activation_checkpointing(drafter)
     inv_scale = None
-    if cfg.aux_scale:  # every rank reads the same first samples, so every rank gets the same constant
+    if cfg.aux_scale and latest is not None:  # resuming: a placeholder the checkpoint's constant overwrites
+        inv_scale = torch.ones(len(layers) * drafter.spec.target_hidden_size, device=dev)
+    elif cfg.aux_scale:  # every rank reads the same first samples, so every rank gets the same constant
         first = data.batch([train_idx[i] for i in range(min(B, len(train_idx)))], layers)
         inv_scale, rms = aux_inv_scale(first["aux"].to(dev), first["attention_mask"], len(layers))
-        notes["aux_rms"] = [round(r, 4) for r in rms]  # a resumed run restores the saved constant over this one
+        notes["aux_rms"] = [round(r, 4) for r in rms]
         console.print(f"--aux-scale: aux states' RMS on the first batch {notes['aux_rms']} (fc reads them divided)")
     model = TTTModel(drafter, k, cfg.loss_chunk, attention, compile=run.compile,
                      regions="elementwise" if info.distributed else "layer", aux_inv_scale=inv_scale)
