@@ -203,6 +203,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="from scratch: train fc on each aux state divided by its RMS on the first batch (Gemma's "
                         "states differ 20x in size from layer to layer); saved drafters hold fc with the scale "
                         "folded in, so engines load plain EAGLE-3 weights")
+    p.add_argument("--draft-intermediate-size", type=int, default=None, metavar="N",
+                   help="from scratch: the drafter's MLP width (default the target's; SGLang and vLLM build the MLP "
+                        "from the drafter's config)")
     p.add_argument("--aux-layers", type=_aux_list, default=None,
                    help="'input of decoder layer i' ids fed to the drafter (default: the store's, else 2,L//2,L-3)")
     p.add_argument("--lr", type=float, default=None, help="peak learning rate (default 1e-4, 5e-5 with --init-from)")

@@ -84,6 +84,8 @@ class TrainConfig:
     lm_head_from_target: bool = False    # from scratch: lm_head rows start as the target's head rows
     aux_scale: bool = False              # from scratch: fc reads each aux state divided by its RMS on the first
                                          # batch (a constant, folded into fc's columns in every saved drafter)
+    draft_intermediate_size: int | None = None  # from scratch: the drafter's MLP width (None: the target's); the
+                                         # engines build the MLP from the drafter's own config, so any width loads
     target_cache_mb: int = 1024          # CPU: keep target-head results per sample up to this size
     activation_checkpointing: bool = False  # recompute the MLP in backward (long sequences)
     log_every: int | None = None         # metrics line every N steps (None: 1 on cpu, 10 on cuda); syncs
@@ -115,6 +117,9 @@ class TrainConfig:
         if self.aux_scale and self.init_from:
             raise DraftportError("--aux-scale sets fc's input scale of a drafter trained from scratch; a warm start "
                                  "(--init-from) keeps the scale its fc weights were trained with")
+        if self.draft_intermediate_size is not None and (self.init_from or self.draft_intermediate_size < 1):
+            raise DraftportError(f"--draft-intermediate-size {self.draft_intermediate_size}: a positive MLP width for "
+                                 "a drafter trained from scratch (a warm start keeps its drafter's width)")
         if r.batch_size < 1 or r.ttt_steps < 1 or r.max_nonfinite_steps < 1:
             raise DraftportError(f"--batch-size, --ttt-steps and --max-nonfinite-steps must be at least 1 "
                                  f"(got {r.batch_size}, {r.ttt_steps}, {r.max_nonfinite_steps})")

@@ -79,13 +79,16 @@ def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
 # the drafter
 
 
-def drafter_config(target, layers: list[int], vocab_size: int, draft_vocab_size: int) -> dict:
-    """SGLang LlamaForCausalLMEagle3 config of a fresh drafter shaped after the target."""
+def drafter_config(target, layers: list[int], vocab_size: int, draft_vocab_size: int,
+                   intermediate_size: int | None = None) -> dict:
+    """SGLang LlamaForCausalLMEagle3 config of a fresh drafter shaped after the target (MLP width: the target's
+    unless `intermediate_size` is given)."""
     from draftport.check.compat import engine_aux_ids
 
     s = target.spec
+    width = intermediate_size or s.intermediate_size or 4 * target.hidden_size
     return {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
-            "hidden_size": target.hidden_size, "intermediate_size": s.intermediate_size or 4 * target.hidden_size,
+            "hidden_size": target.hidden_size, "intermediate_size": width,
             "num_attention_heads": s.num_attention_heads, "num_key_value_heads": s.num_key_value_heads,
             "head_dim": s.head_dim, "num_hidden_layers": 1, "vocab_size": vocab_size,
             "draft_vocab_size": draft_vocab_size, "rms_norm_eps": 1e-6,
@@ -148,8 +151,8 @@ def build_drafter(cfg: TrainConfig, target, data: "Samples", train_idx, console,
         explicit = cfg.aux_layers if cfg.aux_layers is not None else data.aux_layers
         layers = resolve_aux_layers(None, target.spec, explicit).layers
         Vd = cfg.draft_vocab_size or min(32000, V)
-        drafter = Eagle3Drafter.from_config(drafter_config(target, layers, V, Vd), seed=cfg.seed,
-                                            dtype=torch.float32)
+        drafter = Eagle3Drafter.from_config(drafter_config(target, layers, V, Vd, cfg.draft_intermediate_size),
+                                            seed=cfg.seed, dtype=torch.float32)
         if not resuming:  # on resume d2t / t2d come back with the weights
             vm = build_draft_vocab(data.token_counts(train_idx, V), Vd)
             drafter.set_vocab_mapping(vm.d2t, vm.t2d)
@@ -195,6 +198,8 @@ def request_config(cfg: TrainConfig, device: torch.device) -> dict:
         skip.add("group_by_length")
     if not cfg.aux_scale:  # likewise
         skip.add("aux_scale")
+    if cfg.draft_intermediate_size is None:  # likewise
+        skip.add("draft_intermediate_size")
     d = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name not in skip}
     for key in ("target", "data", "init_from"):
         if d[key] and os.path.exists(d[key]):
