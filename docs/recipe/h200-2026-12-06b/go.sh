@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# Device driver, run from the repo root at every call (call 1: bash .carry/c1/go.sh; later: bash /tmp/w/go.sh):
+# Device driver, run from the repo root at every call (call 1: bash .carry/c1/go.sh; later, carrying .carry/gN with one GGUF part: bash /tmp/w/go.sh):
 # gather the carried wheels / data / GGUF parts into /tmp/w, start the timing stage (random weights, needs no GGUF)
 # at once and the detached chain once the GGUF is whole, then wait up to $1 s (or until the chain is done) and
 # pack the small results into $OUT/res.tgz.
 W=/tmp/w; WAIT=${1:-0}; SHA=a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818
 mkdir -p $W/gg $W/logs $W/res $W/data
 echo "go: $(date -u +%T) $(nvidia-smi --query-gpu=name,memory.used,utilization.gpu --format=csv,noheader)"
-for f in .carry/c1/part.* .carry/gg/part.*; do [ -f "$f" ] && cp "$f" $W/gg/ && echo "go: got $f"; done
+for f in .carry/c1/part.* .carry/g[0-9]/part.*; do [ -f "$f" ] && cp "$f" $W/gg/ && echo "go: got $f"; done
 if [ -d .carry/c1/whl ] && [ ! -f $W/site.ok ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $W/site .carry/c1/whl/*.whl && touch $W/site.ok && echo "go: wheels ok"
 fi
