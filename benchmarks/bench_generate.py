@@ -11,8 +11,8 @@ autotuning are not in it):
               --target-pass values, batch_B_<pass> for each)
     big_B     the largest B over --big-n prompts (more prompts than rows: refill in steady state)
 
-    split_B   (--split) the prompts once more at the largest B, the time split into prefills, decode steps
-              (ms a step) and the host's share between them
+    split_B   (--split) the steady-state prompts (--big-n, else the --n ones) once more at the largest B, the
+              time split into prefills, decode steps (ms a step) and the host's share between them
     profile_B (--profile FILE) kernels and kernel ms of one eager decode step of all B rows, tables to FILE
 
 greedy and, with --temperature > 0, sampled (several samples a prompt is the regeneration recipe).
@@ -159,6 +159,7 @@ def main(argv=None) -> int:
     template = resolve_chat_template(target.tokenizer, args.chat_template)
     stops = list(stop_token_ids(target.tokenizer, template, target.eos_token_ids))
     prompts = first_turn_prompts(target, args.prompts, args.n, template, args.max_len)
+    big = first_turn_prompts(target, args.prompts, args.big_n, template, args.max_len) if args.big_n else []
     warm = first_turn_prompts(target, args.prompts, 16, template, args.max_len, offset=len(prompts) * 4 + 16)
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     passes = [t.strip() for t in args.target_pass.split(",") if t.strip()]
@@ -187,12 +188,13 @@ def main(argv=None) -> int:
                 if mode == "greedy" and B == sizes[0]:
                     sec[f"identical_to_hf{tag}"] = round(sum(a == b for a, b in zip(rows, hf_rows)) / len(rows), 3)
                 if B == sizes[-1] and args.big_n:
-                    big = first_turn_prompts(target, args.prompts, args.big_n, template, args.max_len)
                     _, sec[f"big_{B}{tag}"] = timed(lambda: gen.generate(big, args.max_new_tokens, stop_ids=stops,
                                                                          samples_per_prompt=samples), dev)
                     sec[f"big_{B}{tag}"]["x_hf"] = round(sec[f"big_{B}{tag}"]["tok_s"] / sec["hf"]["tok_s"], 2)
                 if B == sizes[-1] and mode == "greedy" and args.split:
-                    sec[f"split_{B}{tag}"] = split_run(gen, prompts, args, stops, dev)
+                    # on the steady-state set when there is one: continuous refill is where prefills and host
+                    # looks interleave with the steps, which one batch of short prompts would not show
+                    sec[f"split_{B}{tag}"] = split_run(gen, big or prompts, args, stops, dev)
                 if B == sizes[-1] and mode == "greedy" and args.profile:
                     figures, table = step_profile(gen, dev, f"{tp}: batch decode step, {B} rows, 10 calls, eager")
                     sec[f"profile_{B}{tag}"] = {k: round(v, 3) for k, v in figures.items()}
