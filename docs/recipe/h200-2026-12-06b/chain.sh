@@ -32,8 +32,10 @@ TRAIN=$!
     --sets "mt-bench,held-out=$OUT/data/heldout.jsonl" --max-samples 10 --max-new-tokens 200 --depth 3 --device cuda \
     --out $OUT/curve > $L/curve-early.log 2>&1; stamp "early curve rc=$?" ) &
 EARLY=$!
-# the sweep beside the training once the answers exist (an H200 holds both; their tok/s are then shared)
-( while kill -0 $TRAIN 2>/dev/null && [ ! -f $OUT/train-chat/regenerated.jsonl ]; do sleep 5; done
+# the sweep beside the training once the answers exist (an H200 holds both; their tok/s are then shared); on an
+# 80 GB card after it (the twelfth session's sweep ran out of memory beside the training there)
+MEM=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -n 1)
+( while kill -0 $TRAIN 2>/dev/null && { [ ! -f $OUT/train-chat/regenerated.jsonl ] || [ "${MEM:-0}" -lt 100000 ]; }; do sleep 5; done
 if [ ! -f $W/stop ]; then
   GRID="group_by_length=0;batch_size=32;draft_intermediate_size=8192"; [ -f $W/sweep_grid ] && GRID=$(cat $W/sweep_grid)
   stamp "sweep: $GRID"; SWEEP_GRID="$GRID" SWEEP_STEPS=$(cat $W/sweep_steps 2>/dev/null || echo 100) bash examples/gpu_recipe.sh sweep > $L/sweep.log 2>&1
