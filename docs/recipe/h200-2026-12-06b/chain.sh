@@ -10,6 +10,7 @@ W=/tmp/w; cd $W/repo
 export PYTHONPATH=$W/site:$W/repo/src:$W/repo/benchmarks PYTHONUNBUFFERED=1 TERM=dumb
 export DRAFTPORT_GGUF=$W/gemma.gguf DRAFTPORT_PROMPTS=$W/data/prompts.jsonl DRAFTPORT_CHAT_DATA=$W/data/chat.jsonl
 export OUT=$W/recipe PYTHON=python3 DRAFTPORT_CACHE=$W/recipe/cache
+[ -f $W/train_steps ] && TRAIN_STEPS=$(cat $W/train_steps)  # a call may cut the run to the budget left
 export REGEN_BATCH=512 TRAIN_STEPS=${TRAIN_STEPS:-1800} TRAIN_BATCH=64 MARKS=500k,2M,5M,10M,20M GROUP_BY_LENGTH=32 AUX_SCALE=1
 L=$W/logs; R=$W/res; mkdir -p $L $R
 stamp() { echo "chain: $1 at $(date -u +%T)"; }
