@@ -2,7 +2,7 @@
 # The seventeenth session's study, detached (after pre.sh): chat target A alone → the batch engine against HF
 # generate, alone (split into prefill / decode / host, one 512-row step profiled) → side by side: the repro stage
 # (build B on the deterministic math-SDPA kernels, both floors), the recipe's training with its new defaults
-# (length-grouped batches, --aux-scale) to ≈ 32 M tokens, the early curve from its 10 M milestone, and the sweep on
+# (length-grouped batches, --aux-scale) to ≈ 25 M tokens, the early curve from its 10 M milestone, and the sweep on
 # its answers (random batches, batch 32, a 4× wider drafter MLP) → the final curve with HumanEval and the math set.
 # Each tail stage is skipped once /tmp/w/stop exists.
 set -u
@@ -11,13 +11,13 @@ export PYTHONPATH=$W/site:$W/repo/src:$W/repo/benchmarks PYTHONUNBUFFERED=1 TERM
 export DRAFTPORT_GGUF=$W/gemma.gguf DRAFTPORT_PROMPTS=$W/data/prompts.jsonl DRAFTPORT_CHAT_DATA=$W/data/chat.jsonl
 export OUT=$W/recipe PYTHON=python3 DRAFTPORT_CACHE=$W/recipe/cache
 [ -f $W/train_steps ] && TRAIN_STEPS=$(cat $W/train_steps)  # a call may cut the run to the budget left
-export REGEN_BATCH=512 TRAIN_STEPS=${TRAIN_STEPS:-1800} TRAIN_BATCH=64 MARKS=500k,2M,5M,10M,20M GROUP_BY_LENGTH=32 AUX_SCALE=1
+export REGEN_BATCH=512 TRAIN_STEPS=${TRAIN_STEPS:-1400} TRAIN_BATCH=64 MARKS=500k,2M,5M,10M,20M GROUP_BY_LENGTH=32 AUX_SCALE=1
 L=$W/logs; R=$W/res; mkdir -p $L $R
 stamp() { echo "chain: $1 at $(date -u +%T)"; }
 stamp "start (code $(cat $W/COMMIT 2>/dev/null))"
 for i in $(seq 60); do [ -f $W/pre.done ] && break; sleep 5; done; stamp "pre done: $([ -f $W/pre.done ] && echo yes || echo NO)"
 bash examples/gpu_recipe.sh data,chat > $L/chat.log 2>&1; stamp "chat rc=$?"
-if [ ! -f $W/stop ]; then
+if [ ! -f $W/stop ] && [ ! -f $W/skip_bench ]; then  # skip_bench: a call drops it for the budget
   timeout 300 python3 benchmarks/bench_generate.py --target $OUT/chat-target --chat-template gemma --prompts $W/data/prompts.jsonl \
     --n 256 --big-n 2048 --batch-sizes 256,512 --hf-batch 256 --max-new-tokens 256 --max-len 768 --target-pass native \
     --temperature 0.8 --samples 2 --split --profile $R/profile-generate.txt --out $R/bench-generate.json > $L/bench-generate.log 2>&1
