@@ -37,7 +37,7 @@ EARLY=$!
 # 80 GB card after it (the twelfth session's sweep ran out of memory beside the training there)
 MEM=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -n 1)
 ( while kill -0 $TRAIN 2>/dev/null && { [ ! -f $OUT/train-chat/regenerated.jsonl ] || [ "${MEM:-0}" -lt 100000 ]; }; do sleep 5; done
-if [ ! -f $W/stop ]; then
+if [ ! -f $W/stop ] && [ ! -f $W/skip_sweep ]; then  # skip_sweep: likewise
   GRID="group_by_length=0;batch_size=32;draft_intermediate_size=8192"; [ -f $W/sweep_grid ] && GRID=$(cat $W/sweep_grid)
   stamp "sweep: $GRID"; SWEEP_GRID="$GRID" SWEEP_STEPS=$(cat $W/sweep_steps 2>/dev/null || echo 100) bash examples/gpu_recipe.sh sweep > $L/sweep.log 2>&1
   stamp "sweep rc=$?"
