@@ -10,8 +10,9 @@ W=/tmp/w; cd $W/repo
 export PYTHONPATH=$W/site:$W/repo/src:$W/repo/benchmarks PYTHONUNBUFFERED=1 TERM=dumb
 export DRAFTPORT_GGUF=$W/gemma.gguf DRAFTPORT_PROMPTS=$W/data/prompts.jsonl DRAFTPORT_CHAT_DATA=$W/data/chat.jsonl
 export OUT=$W/recipe PYTHON=python3 DRAFTPORT_CACHE=$W/recipe/cache
-[ -f $W/train_steps ] && TRAIN_STEPS=$(cat $W/train_steps)  # a call may cut the run to the budget left
-export REGEN_BATCH=512 TRAIN_STEPS=${TRAIN_STEPS:-1400} TRAIN_BATCH=64 MARKS=500k,2M,5M,10M,20M GROUP_BY_LENGTH=32 AUX_SCALE=1
+export REGEN_BATCH=512 TRAIN_STEPS=1400 TRAIN_BATCH=64 MARKS=500k,2M,5M,10M,20M GROUP_BY_LENGTH=32 AUX_SCALE=1
+EARLY_AT=10000000  # the early curve starts once this milestone is published
+[ -f $W/env ] && . $W/env  # a call may cut the run to the budget left (e.g. TRAIN_STEPS, MARKS, EXTRA_SETS)
 L=$W/logs; R=$W/res; mkdir -p $L $R
 stamp() { echo "chain: $1 at $(date -u +%T)"; }
 stamp "start (code $(cat $W/COMMIT 2>/dev/null))"
@@ -27,7 +28,7 @@ fi
 REPRO=$!
 bash examples/gpu_recipe.sh train > $L/train.log 2>&1 &
 TRAIN=$!
-( while kill -0 $TRAIN 2>/dev/null && [ ! -f $OUT/train-chat/at-tokens/10000000/milestone.json ]; do sleep 5; done
+( while kill -0 $TRAIN 2>/dev/null && [ ! -f $OUT/train-chat/at-tokens/$EARLY_AT/milestone.json ]; do sleep 5; done
   stamp "early curve starts"
   python3 examples/learning_curve.py --target $OUT/chat-target --chat-template gemma --run $OUT/train-chat \
     --sets "mt-bench,held-out=$OUT/data/heldout.jsonl" --max-samples 10 --max-new-tokens 200 --depth 3 --device cuda \
