@@ -47,7 +47,10 @@ from profiling import kernel_profile
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--target", required=True, help="HF dir, .gguf or gemma-3-270m")
+    p.add_argument("--target", required=True,
+                   help="HF dir, .gguf, gemma-3-270m, or random:<shape> (bench_decode's shapes, random weights: "
+                        "prompts of random ids, no stop id, every answer --max-new-tokens long; a timing needs no "
+                        "weights, so a device call can profile the engine before the GGUF has arrived)")
     p.add_argument("--chat-template", default=None)
     p.add_argument("--prompts", default="sharegpt", help="conversations or prompts (first user turn used)")
     p.add_argument("--n", type=int, default=256, help="prompts both engines answer")
@@ -69,6 +72,19 @@ def parse_args(argv=None):
                    help="greedy, largest batch: kernel tables of 10 eager decode steps of every row, to this file")
     p.add_argument("--out", default=None)
     return p.parse_args(argv)
+
+
+# random:<shape> prompt lengths: uniform over these (mean 58, the mean of the ShareGPT first turns measured on the
+# chat target in the twelfth session)
+RANDOM_PROMPT_LENS = (8, 108)
+
+
+def random_prompts(vocab_size: int, n: int, seed: int) -> list[list[int]]:
+    """n prompts of random ids (seeded), lengths uniform over RANDOM_PROMPT_LENS."""
+    g = torch.Generator().manual_seed(seed)
+    lo, hi = RANDOM_PROMPT_LENS
+    lens = torch.randint(lo, hi + 1, (n,), generator=g).tolist()
+    return [torch.randint(0, vocab_size, (k,), generator=g).tolist() for k in lens]
 
 
 def first_turn_prompts(target, data: str, n: int, template, max_len: int, offset: int = 0) -> list[list[int]]:
@@ -155,12 +171,20 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     dev = torch.device(args.device)
     dtype = args.dtype or ("bf16" if dev.type == "cuda" else "fp32")
-    target = load_target(args.target, device=args.device, dtype=dtype)
-    template = resolve_chat_template(target.tokenizer, args.chat_template)
-    stops = list(stop_token_ids(target.tokenizer, template, target.eos_token_ids))
-    prompts = first_turn_prompts(target, args.prompts, args.n, template, args.max_len)
-    big = first_turn_prompts(target, args.prompts, args.big_n, template, args.max_len) if args.big_n else []
-    warm = first_turn_prompts(target, args.prompts, 16, template, args.max_len, offset=len(prompts) * 4 + 16)
+    if args.target.startswith("random:"):
+        from bench_decode import build_random_target
+
+        target = build_random_target(args.target[len("random:"):], args.device,
+                                     torch.bfloat16 if dtype == "bf16" else torch.float32)
+        V, stops = int(target.vocab_size), []
+        prompts, big, warm = (random_prompts(V, n, seed) for n, seed in ((args.n, 0), (args.big_n, 1), (16, 2)))
+    else:
+        target = load_target(args.target, device=args.device, dtype=dtype)
+        template = resolve_chat_template(target.tokenizer, args.chat_template)
+        stops = list(stop_token_ids(target.tokenizer, template, target.eos_token_ids))
+        prompts = first_turn_prompts(target, args.prompts, args.n, template, args.max_len)
+        big = first_turn_prompts(target, args.prompts, args.big_n, template, args.max_len) if args.big_n else []
+        warm = first_turn_prompts(target, args.prompts, 16, template, args.max_len, offset=len(prompts) * 4 + 16)
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     passes = [t.strip() for t in args.target_pass.split(",") if t.strip()]
     res = {"bench": "generate", "target": args.target, "device": torch.cuda.get_device_name(0) if dev.type == "cuda"

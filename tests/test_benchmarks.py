@@ -146,6 +146,25 @@ def test_bench_generate_splits_the_time_and_profiles_the_batch_step(bench_path, 
     assert text.startswith("## native: batch decode step, 4 rows, 10 calls, eager") and "aten::" in text
 
 
+def test_bench_generate_on_random_weights_needs_no_model_files(bench_path, tmp_path):
+    """random:<shape>: prompts of random ids and no stop id, so every answer of every engine is --max-new-tokens
+    long, and --split runs on the steady-state set (--big-n) when it is given."""
+    import bench_generate
+
+    out = tmp_path / "generate.json"
+    assert bench_generate.main(["--target", "random:tiny-gemma3", "--n", "3", "--big-n", "5", "--batch-sizes", "2,4",
+                                "--hf-batch", "3", "--max-new-tokens", "4", "--max-len", "128", "--device", "cpu",
+                                "--target-pass", "native", "--temperature", "0", "--split", "--out", str(out)]) == 0
+    g = _last_json(out)["greedy"]
+    assert g["hf"]["tokens"] == g["batch_2"]["tokens"] == g["batch_4"]["tokens"] == 3 * 4
+    assert g["big_4"]["tokens"] == 5 * 4
+    assert g["split_4"]["answers"] == 5 and g["split_4"]["tokens"] == 5 * 4
+    lo, hi = bench_generate.RANDOM_PROMPT_LENS
+    prompts = bench_generate.random_prompts(512, 200, seed=0)
+    assert prompts == bench_generate.random_prompts(512, 200, seed=0)  # seeded
+    assert all(lo <= len(p) <= hi for p in prompts) and abs(sum(map(len, prompts)) / 200 - (lo + hi) / 2) < 6
+
+
 def test_bench_match_compares_every_pass_on_the_same_prompts(bench_path, tmp_path):
     """Every pass evaluates prompt lookup against no speculation on the same prompts; in fp32 each keeps the
     greedy text (match 1.0, the fp32 equivalence the tests prove); native-fast runs unpadded, native-sdpa and

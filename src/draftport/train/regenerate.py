@@ -54,7 +54,8 @@ def generate_ids_hf(target, prompts: Sequence[Sequence[int]], max_new_tokens: in
     from transformers import GenerationConfig, StoppingCriteriaList
 
     tok = target.tokenizer
-    pad = tok.pad_token_id if tok.pad_token_id is not None else (list(stop_ids) or [0])[0]
+    # a target with no tokenizer (random weights, benchmarks) pads with its first stop id or 0
+    pad = tok.pad_token_id if tok is not None and tok.pad_token_id is not None else (list(stop_ids) or [0])[0]
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), pad, dtype=torch.long)
     mask = torch.zeros((len(prompts), width), dtype=torch.long)

@@ -13,7 +13,7 @@ export OUT=$W/recipe PYTHON=python3 DRAFTPORT_CACHE=$W/recipe/cache
 L=$W/logs; R=$W/res; mkdir -p $L $R
 stamp() { echo "chain: $1 at $(date -u +%T)"; }
 stamp "start (code $(cat $W/COMMIT 2>/dev/null))"
-for i in $(seq 60); do [ -f $W/pre.done ] && break; sleep 5; done; stamp "pre done: $([ -f $W/pre.done ] && echo yes || echo NO)"
+for i in $(seq 90); do [ -f $W/pre.done ] && break; sleep 5; done; stamp "pre done: $([ -f $W/pre.done ] && echo yes || echo NO)"
 bash examples/gpu_recipe.sh data > $L/data.log 2>&1
 if [ -f $W/bench_only ]; then  # too little budget for the builds: the batch engine on the base model alone
   timeout 300 python3 benchmarks/bench_generate.py --target $W/gemma.gguf --chat-template plain --prompts $W/data/prompts.jsonl \

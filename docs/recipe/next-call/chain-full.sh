@@ -16,7 +16,7 @@ EARLY_AT=10000000  # the early curve starts once this milestone is published
 L=$W/logs; R=$W/res; mkdir -p $L $R
 stamp() { echo "chain: $1 at $(date -u +%T)"; }
 stamp "start (code $(cat $W/COMMIT 2>/dev/null))"
-for i in $(seq 60); do [ -f $W/pre.done ] && break; sleep 5; done; stamp "pre done: $([ -f $W/pre.done ] && echo yes || echo NO)"
+for i in $(seq 90); do [ -f $W/pre.done ] && break; sleep 5; done; stamp "pre done: $([ -f $W/pre.done ] && echo yes || echo NO)"
 bash examples/gpu_recipe.sh data,chat > $L/chat.log 2>&1; stamp "chat rc=$?"
 if [ ! -f $W/stop ] && [ ! -f $W/skip_bench ]; then  # skip_bench: a call drops it for the budget
   timeout 300 python3 benchmarks/bench_generate.py --target $OUT/chat-target --chat-template gemma --prompts $W/data/prompts.jsonl \
