@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The seventeenth session's study, detached (after pre.sh): chat target A alone → the batch engine against HF
+# The study for a full budget (≈ 20 min of chain), detached (after pre.sh): chat target A alone → the batch engine against HF
 # generate, alone (split into prefill / decode / host, one 512-row step profiled) → side by side: the repro stage
 # (build B on the deterministic math-SDPA kernels, both floors), the recipe's training with its new defaults
 # (length-grouped batches, --aux-scale) to ≈ 25 M tokens, the early curve from its 10 M milestone, and the sweep on

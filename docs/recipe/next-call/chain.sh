@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The seventeenth session's study as run, detached (after pre.sh), cut to ≈ 900 s of device time after nine failed
-# machine starts (chain-full.sh is the plan for a full budget): the chat target built twice side by side by the same
+# The study cut to a small budget (≈ 500 s of chain), detached (after pre.sh); chain-full.sh is the plan for a full
+# budget. The chat target built twice side by side by the same
 # command (the deterministic kernels, math SDPA: one sha256?) and the prompt-lookup floor of both on MT-bench
 # (the repro stage), then the batch engine against HF generate, alone, its time split into prefill / decode / host
 # and one 512-row step profiled. Each stage after the builds is skipped once /tmp/w/stop exists.
