@@ -165,6 +165,33 @@ def test_bench_generate_on_random_weights_needs_no_model_files(bench_path, tmp_p
     assert all(lo <= len(p) <= hi for p in prompts) and abs(sum(map(len, prompts)) / 200 - (lo + hi) / 2) < 6
 
 
+def test_vocab_coverage_counts_held_out_tokens_inside_the_trainers_vocab(bench_path, tmp_path):
+    """The share is the held-out tokens whose id is among the top-Vd ids by training count (the trainer's own
+    builder); it grows with Vd and is 1 when the draft vocab is the whole vocab."""
+    import vocab_coverage
+
+    train = torch.tensor([0, 5, 3, 0, 1])                   # ids 1, 2 the top two
+    held = torch.tensor([2, 4, 1, 3, 0])                    # 10 tokens, 5 of them ids 1 or 2
+    assert vocab_coverage.coverage(train, held, 2) == 0.5
+    assert vocab_coverage.coverage(train, held, 5) == 1.0
+
+    from draftport.model.target import tiny_target
+
+    t = tiny_target("llama", seed=0)
+    t.tokenizer.save_pretrained(tmp_path / "tok")
+    words = ["the sea is blue", "robots build robots", "tea with milk", "rain again today", "trains run late"]
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": "Tell me."},
+                                                     {"role": "assistant", "content": w}]}) + "\n" for w in words))
+    out = tmp_path / "cov.json"
+    assert vocab_coverage.main(["--tokenizer", str(tmp_path / "tok"), "--data", str(data), "--train", "3",
+                                "--held-out", "2", "--sizes", f"4,16,{len(t.tokenizer)}", "--out", str(out)]) == 0
+    r = _last_json(out)
+    cov = list(r["coverage"].values())
+    assert r["train_conversations"] == 3 and r["held_out_conversations"] == 2 and r["held_out_tokens"] > 0
+    assert cov == sorted(cov) and cov[-1] == 1.0
+
+
 def test_bench_match_compares_every_pass_on_the_same_prompts(bench_path, tmp_path):
     """Every pass evaluates prompt lookup against no speculation on the same prompts; in fp32 each keeps the
     greedy text (match 1.0, the fp32 equivalence the tests prove); native-fast runs unpadded, native-sdpa and
