@@ -57,7 +57,8 @@ def main(argv=None) -> int:
     sizes = [min(int(s), V) for s in args.sizes.split(",")]
     emit({"bench": "vocab_coverage", "tokenizer": args.tokenizer, "data": args.data, "vocab_size": V,
           "train_conversations": min(args.train, len(convs)), "held_out_conversations": max(0, len(convs) - args.train),
-          "train_tokens": int(train.sum()), "distinct_train_ids": int((train > 0).sum()), "held_out_tokens": int(held.sum()),
+          "train_tokens": int(train.sum()), "distinct_train_ids": int((train > 0).sum()),
+          "held_out_tokens": int(held.sum()),
           "coverage": {str(s): round(coverage(train, held, s), 4) for s in sizes},
           "seconds": round(time.perf_counter() - t0, 1), "date": time.strftime("%Y-%m-%d")}, args.out)
     return 0

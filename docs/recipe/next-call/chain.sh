@@ -15,11 +15,13 @@ stamp() { echo "chain: $1 at $(date -u +%T)"; }
 stamp "start (code $(cat $W/COMMIT 2>/dev/null))"
 for i in $(seq 90); do [ -f $W/pre.done ] && break; sleep 5; done; stamp "pre done: $([ -f $W/pre.done ] && echo yes || echo NO)"
 bash examples/gpu_recipe.sh data > $L/data.log 2>&1
-if [ -f $W/bench_only ]; then  # too little budget for the builds: the batch engine on the base model alone
-  timeout 300 python3 benchmarks/bench_generate.py --target $W/gemma.gguf --chat-template plain --prompts $W/data/prompts.jsonl \
+bench_generate() {  # $1 target, $2 chat template: the batch engine against HF generate, split and profiled
+  timeout 300 python3 benchmarks/bench_generate.py --target "$1" --chat-template "$2" --prompts $W/data/prompts.jsonl \
     --n 256 --big-n 2048 --batch-sizes 256,512 --hf-batch 256 --max-new-tokens 256 --max-len 768 --target-pass native \
     --split --profile $R/profile-generate.txt --out $R/bench-generate.json > $L/bench-generate.log 2>&1
-  stamp "bench-generate (base model) rc=$?"; touch $W/chain.done; stamp done; exit 0
+}
+if [ -f $W/bench_only ]; then  # too little budget for the builds: the batch engine on the base model alone
+  bench_generate $W/gemma.gguf plain; stamp "bench-generate (base model) rc=$?"; touch $W/chain.done; stamp done; exit 0
 fi
 # B by the very command the recipe's make_chat runs for A (DRY_RUN prints it), beside A
 B_CMD=$(DRY_RUN=1 bash examples/gpu_recipe.sh chat | grep '^+ ' | sed 's/^+ //; s#/chat-target #/chat-target-2 #')
@@ -29,9 +31,6 @@ stamp "B: $B_CMD"
 wait
 [ ! -f $W/stop ] && { STAGES=repro bash examples/gpu_recipe.sh > $L/repro.log 2>&1; stamp "repro rc=$?"; }
 if [ ! -f $W/stop ] && [ ! -f $W/skip_bench ]; then
-  timeout 300 python3 benchmarks/bench_generate.py --target $OUT/chat-target --chat-template gemma --prompts $W/data/prompts.jsonl \
-    --n 256 --big-n 2048 --batch-sizes 256,512 --hf-batch 256 --max-new-tokens 256 --max-len 768 --target-pass native \
-    --split --profile $R/profile-generate.txt --out $R/bench-generate.json > $L/bench-generate.log 2>&1
-  stamp "bench-generate rc=$?"
+  bench_generate $OUT/chat-target gemma; stamp "bench-generate rc=$?"
 fi
 touch $W/chain.done; stamp done

@@ -131,12 +131,12 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, unit_offset: bool) ->
 # Rows to which an invariant pass pads the inputs of its linear layers and head (0: not padded). Measured on an
 # H200 (sixteenth session, BENCHMARKS.md): it changed no token of the held-out text (prefix match 0.905 either
 # way) and cost 0.11 ms a step, so it stays 0, a diagnostic for benchmarks/bench_match.py's native-rows pass
-# (free when 0: the check is traced away in the compiled, graphed pass). Why it was built: on the H100 (2026-12-06, chat target, bf16) every drafter and hybrid run left the
-# no-speculation text at the same token of 5 of 10 held-out prompts whatever it drafted, so the 4-token verify
-# rounds each row one way and the 1-token step another, with the attention already padded. The profile
-# of that call shows two of each layer's four linear GEMMs running another cuBLAS kernel at 1 row than at
-# 8. Padding every pass's rows to one count gives them one shape, as SMALL_QUERY_ROWS does for attention.
-# benchmarks/bench_match.py's native-rows pass turns it on.
+# (free when 0: the check is traced away in the compiled, graphed pass). Why it was built: on the H100
+# (2026-12-06, chat target, bf16) every drafter and hybrid run left the no-speculation text at the same token
+# of 5 of 10 held-out prompts whatever it drafted, so the 4-token verify rounds each row one way and the 1-token
+# step another, with the attention already padded. The profile of that call shows two of each layer's four
+# linear GEMMs running another cuBLAS kernel at 1 row than at 8. Padding every pass's rows to one count gives
+# them one shape, as SMALL_QUERY_ROWS does for attention. benchmarks/bench_match.py's native-rows pass turns it on.
 INVARIANT_LINEAR_ROWS = 0
 
 

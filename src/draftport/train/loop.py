@@ -379,7 +379,9 @@ def _run(cfg: TrainConfig, info, target, console) -> dict:
     if cfg.activation_checkpointing:
         enable_activation_checkpointing(drafter)
     inv_scale = None
-    if cfg.aux_scale and latest is not None:  # resuming: a placeholder the checkpoint's constant overwrites
+    if cfg.aux_scale and latest is not None:
+        # resuming: the buffer only takes its shape here; the constant saved with the checkpoint is loaded into it
+        # with the rest of the state, so the first batch is not read again
         inv_scale = torch.ones(len(layers) * drafter.spec.target_hidden_size, device=dev)
     elif cfg.aux_scale:  # every rank reads the same first samples, so every rank gets the same constant
         first = data.batch([train_idx[i] for i in range(min(B, len(train_idx)))], layers)
