@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import subprocess
 import time
@@ -158,6 +159,17 @@ def step_profile(gen, dev, title: str) -> tuple[dict, str]:
         gen.done.fill_(True)
 
 
+def keep_partial(res: dict, tables: list[str], args) -> None:
+    """What is measured so far, on disk (`partial: true`; the last emit replaces it): a device call cut short by
+    its time limit, or a machine taken back mid-run, still returns the sections it finished."""
+    for path, text in ((args.out, json.dumps({**res, "partial": True}, default=str) + "\n"),
+                       (args.profile if tables else None, "\n\n".join(tables))):
+        if path:
+            with open(path + ".tmp", "w") as f:
+                f.write(text)
+            os.replace(path + ".tmp", path)
+
+
 def run_hf(target, prompts, args, stops, temperature, samples):
     rows = []
     expanded = [p for p in prompts for _ in range(samples)]
@@ -199,6 +211,7 @@ def main(argv=None) -> int:
         run_hf(target, warm[:4], args, stops, temp, 1)  # warm-up: kernels, allocator
         hf_rows, sec["hf"] = timed(lambda: run_hf(target, prompts, args, stops, temp, samples), dev)
         sec["hf"]["batch"] = args.hf_batch
+        keep_partial(res, tables, args)
         for tp in passes:
             tag = "" if len(passes) == 1 else f"_{tp}"  # one pass keeps the keys earlier results used
             for B in sizes:
@@ -223,6 +236,7 @@ def main(argv=None) -> int:
                     figures, table = step_profile(gen, dev, f"{tp}: batch decode step, {B} rows, 10 calls, eager")
                     sec[f"profile_{B}{tag}"] = {k: round(v, 3) for k, v in figures.items()}
                     tables.append(table)
+                keep_partial(res, tables, args)
                 del gen
                 if dev.type == "cuda":
                     torch.cuda.empty_cache()

@@ -165,6 +165,32 @@ def test_bench_generate_on_random_weights_needs_no_model_files(bench_path, tmp_p
     assert all(lo <= len(p) <= hi for p in prompts) and abs(sum(map(len, prompts)) / 200 - (lo + hi) / 2) < 6
 
 
+def test_bench_generate_cut_short_keeps_what_it_measured(bench_path, tmp_path, monkeypatch):
+    """A run killed mid-way (a device call's limit, a machine taken back) leaves its finished sections on disk,
+    marked partial; a whole run's file has no mark."""
+    import bench_generate
+
+    class Taken(bench_generate.BatchGenerator):
+        def generate(self, prompts, max_new_tokens, **kw):
+            if max_new_tokens != 32:  # the warm-up (graph capture) passes; the first timed run is cut
+                raise RuntimeError("the machine was taken back")
+            return super().generate(prompts, max_new_tokens, **kw)
+
+    out = tmp_path / "generate.json"
+    argv = ["--target", "random:tiny-gemma3", "--n", "2", "--batch-sizes", "2", "--hf-batch", "2",
+            "--max-new-tokens", "3", "--max-len", "128", "--device", "cpu", "--target-pass", "native",
+            "--temperature", "0", "--out", str(out)]
+    monkeypatch.setattr(bench_generate, "BatchGenerator", Taken)
+    with pytest.raises(RuntimeError):
+        bench_generate.main(argv)
+    r = _last_json(out)
+    assert r["partial"] is True and r["greedy"]["hf"]["tokens"] == 2 * 3 and "batch_2" not in r["greedy"]
+    monkeypatch.undo()
+    assert bench_generate.main(argv) == 0
+    r = _last_json(out)
+    assert "partial" not in r and r["greedy"]["batch_2"]["tokens"] == 2 * 3
+
+
 def test_vocab_coverage_counts_held_out_tokens_inside_the_trainers_vocab(bench_path, tmp_path):
     """The share is the held-out tokens whose id is among the top-Vd ids by training count (the trainer's own
     builder); it grows with Vd and is 1 when the draft vocab is the whole vocab."""

@@ -28,13 +28,17 @@ if [ -f $W/gemma.gguf ] && [ -f $W/repo.ok ] && [ -f $W/data/chat.jsonl ] && [ !
   touch $W/chain.started; setsid nohup bash $W/chain.sh > $W/chain.log 2>&1 < /dev/null &
   echo "go: chain started"
 fi
+pack() {  # the small results into $OUT/res.tgz (a call cut at its time limit returns what $OUT holds)
+  [ -n "${OUT:-}" ] || return 0
+  ( cd $W && find recipe -type f \( -name '*.json' -o -name '*.md' -o -name '*.png' -o -name 'metrics.jsonl' -o -name '*.txt' \) \
+      -size -3M -not -path '*/cache/*' -not -name 'regenerated*' -not -path '*/tokenizer*' -not -path '*/checkpoints/*' 2>/dev/null > $W/list.txt
+    tar czf $OUT/res.tgz.tmp chain.log pre.log logs res -T $W/list.txt 2>/dev/null; mv $OUT/res.tgz.tmp $OUT/res.tgz )
+}
 t0=$(date +%s)
-while [ $(( $(date +%s) - t0 )) -lt "$WAIT" ] && [ ! -f $W/chain.done ]; do sleep 5; done
+while [ $(( $(date +%s) - t0 )) -lt "$WAIT" ] && [ ! -f $W/chain.done ]; do
+  sleep 5; [ $(( ($(date +%s) - t0) % 60 )) -lt 5 ] && pack
+done
 echo "go: $(date -u +%T) $(nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader)"
 tail -n 6 $W/pre.log 2>/dev/null; tail -n 30 $W/chain.log 2>/dev/null
 for l in $W/logs/*.log; do [ -f "$l" ] && { echo "== $l"; tail -c 700 "$l" | tr '\r' '\n' | tail -n 4; }; done
-if [ -n "${OUT:-}" ]; then
-  ( cd $W && find recipe -type f \( -name '*.json' -o -name '*.md' -o -name '*.png' -o -name 'metrics.jsonl' -o -name '*.txt' \) \
-      -size -3M -not -path '*/cache/*' -not -name 'regenerated*' -not -path '*/tokenizer*' -not -path '*/checkpoints/*' 2>/dev/null > $W/list.txt
-    tar czf $OUT/res.tgz chain.log pre.log logs res -T $W/list.txt 2>/dev/null ); ls -la $OUT
-fi
+pack; [ -n "${OUT:-}" ] && ls -la $OUT
