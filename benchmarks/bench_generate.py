@@ -228,10 +228,12 @@ def main(argv=None) -> int:
                     _, sec[f"big_{B}{tag}"] = timed(lambda: gen.generate(big, args.max_new_tokens, stop_ids=stops,
                                                                          samples_per_prompt=samples), dev)
                     sec[f"big_{B}{tag}"]["x_hf"] = round(sec[f"big_{B}{tag}"]["tok_s"] / sec["hf"]["tok_s"], 2)
+                    keep_partial(res, tables, args)
                 if B == sizes[-1] and mode == "greedy" and args.split:
                     # on the steady-state set when there is one: continuous refill is where prefills and host
                     # looks interleave with the steps, which one batch of short prompts would not show
                     sec[f"split_{B}{tag}"] = split_run(gen, big or prompts, args, stops, dev)
+                    keep_partial(res, tables, args)
                 if B == sizes[-1] and mode == "greedy" and args.profile:
                     figures, table = step_profile(gen, dev, f"{tp}: batch decode step, {B} rows, 10 calls, eager")
                     sec[f"profile_{B}{tag}"] = {k: round(v, 3) for k, v in figures.items()}
