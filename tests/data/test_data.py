@@ -274,6 +274,22 @@ def test_regenerated_turns_are_the_targets_greedy_continuations(family, engine):
     assert [c.messages for c in one_by_one] == [c.messages for c in out]
 
 
+def test_hf_generate_keeps_a_generated_pad_id_when_no_stop_string_ended_the_row():
+    """Without a tokenizer generate_ids_hf pads with id 0, a real token: an answer that ends on it (a model that
+    always emits it here) keeps every token, as the batch engine's does; only a stop string's padding is cut."""
+    from draftport.train.regenerate import generate_ids_hf
+
+    tg = tiny_target("llama", seed=0)
+    tg.tokenizer = None
+    head = tg.model.get_output_embeddings()
+    hook = head.register_forward_hook(lambda m, a, out: out.index_fill(-1, torch.tensor([0]), 1e4))
+    try:
+        rows = generate_ids_hf(tg, [[5, 6, 7], [8, 9]], 4, 0.0, 1.0, (), ())
+    finally:
+        hook.remove()
+    assert rows == [[0, 0, 0, 0], [0, 0, 0, 0]]
+
+
 def test_regenerate_samples_max_len_and_errors(tmp_path):
     tg = tiny_target("qwen2", seed=2)
     prompts = load_prompts("mt-bench", max_samples=2, turns="all")

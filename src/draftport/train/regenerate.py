@@ -78,8 +78,10 @@ def generate_ids_hf(target, prompts: Sequence[Sequence[int]], max_new_tokens: in
     for row in out[:, width:].tolist():
         cut = next((k + 1 for k, t in enumerate(row) if t in stops), len(row))
         row = row[:cut]
-        while cut == full and row and row[-1] == pad and pad not in stops:
-            row.pop()  # a row a stop string ended is padded to the batch's end
+        # a row a stop string ended is padded to the batch's end; only then are trailing pads HF's, not the model's
+        # (without a tokenizer the pad is id 0, a real token a random model may well end on)
+        while stop_strings and cut == full and row and row[-1] == pad and pad not in stops:
+            row.pop()
         rows.append(row)
     return rows
 
