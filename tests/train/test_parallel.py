@@ -79,6 +79,7 @@ if info.is_main:
     save_file({k: v.contiguous() for k, v in msd.items()}, os.environ["OUT_FILE"])
     print(json.dumps({"losses": losses, "echo": echo, "n_rng": len(rngs),
                       "sharded": type(model.fc.weight).__name__}))
+del model, opt, msd  # as run_train's frame drops them before its shutdown
 parallel.shutdown(info)
 """
 
