@@ -80,9 +80,10 @@ def shutdown(info: DistInfo) -> None:
         # exception", SIGABRT) in one CPU run of tests/train/test_parallel.py.
         dist.barrier()
         # A sharded model's DTensors hold its device mesh, which holds the group: whatever still holds them when the
-        # group is destroyed dies later, at interpreter exit, and gloo's threads torn down then can abort the same way
-        # (one rank in about 45 CPU runs of that test, after this barrier was in). Unreachable ones go now; callers
-        # drop their own references first (run_train's model dies with _run's frame).
+        # group is destroyed dies later, at interpreter exit, where gloo's threads torn down can abort the same way.
+        # The likely cause of one rank's abort in about 45 CPU runs of that test after the barrier was in (its stderr
+        # was not kept, so not proven). Unreachable ones go now; callers drop their own references first (run_train's
+        # model dies with _run's frame).
         gc.collect()
         dist.destroy_process_group()
 
