@@ -8,7 +8,8 @@ autotuning are not in it):
 
     hf        HF generate, left-padded batches of --hf-batch (what train/regenerate.py's `hf` engine runs)
     batch_B   BatchGenerator with B rows, continuously refilled, for each B in --batch-sizes (with several
-              --target-pass values, batch_B_<pass> for each)
+              --target-pass values, batch_B_<pass> for each; `native` compiles the decode step's layer halves
+              on CUDA, `native-plain` runs them uncompiled: the before and after of BatchConfig.compile_decode)
     big_B     the largest B over --big-n prompts (more prompts than rows: refill in steady state)
 
     split_B   (--split) the steady-state prompts (--big-n, else the --n ones) once more at the largest B, the
@@ -65,7 +66,8 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default=None)
     p.add_argument("--target-pass", default="auto",
-                   help="batch engine's target forward, comma-separated to time several side by side: auto,hf,native")
+                   help="batch engine's target forward, comma-separated to time several side by side: auto, hf, native "
+                        "(decode step compiled on CUDA), native-plain (not compiled)")
     p.add_argument("--split", action="store_true",
                    help="greedy, largest batch: one more run of the prompts with its time split into prefill, "
                         "decode steps (ms a step) and the host's share")
@@ -216,7 +218,8 @@ def main(argv=None) -> int:
             tag = "" if len(passes) == 1 else f"_{tp}"  # one pass keeps the keys earlier results used
             for B in sizes:
                 gen = BatchGenerator(target, BatchConfig(batch_size=B, max_len=args.max_len, temperature=temp, seed=1,
-                                                         target_pass=tp))
+                                                         target_pass=tp.removesuffix("-plain"),
+                                                         compile_decode=False if tp.endswith("-plain") else None))
                 gen.generate(warm, 32, stop_ids=stops)  # captures the decode graph
                 key = f"batch_{B}{tag}"
                 rows, sec[key] = timed(lambda: gen.generate(prompts, args.max_new_tokens, stop_ids=stops,

@@ -4,7 +4,8 @@ Equivalences (fp32, greedy): BatchGenerator == the batch-1 engine (SpecEngine wi
 == HF greedy `generate`, for prompts of different lengths sharing the cache, rows finishing at
 different times (stop ids, token limits) and refilled, prompts prefilled in pieces, on a tiny Llama and
 a tiny Gemma-3 whose sliding window (8) is shorter than the prompts. Sampling reproduces for a seed
-and differs across samples. On CUDA: graphed == eager, and a bf16 batch-128 smoke run.
+and differs across samples. The decode step's compiled layer halves == the plain ones (traced on the CPU; compiled
+by Inductor on CUDA). On CUDA: graphed == eager, and a bf16 batch-128 smoke run.
 """
 
 from __future__ import annotations
@@ -84,6 +85,31 @@ def test_sampling_reproduces_and_samples_differ(targets):
         assert len({tuple(r) for r in a[3 * i:3 * i + 3]}) > 1
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_compiled_decode_step_equals_plain(targets, family):
+    """compile_decode (on by default on CUDA): the decode step runs the native pass's compiled layer halves and
+    gives the plain step's tokens, with refills and stop ids; prefills stay plain. Traced here with the "eager"
+    backend and fullgraph (a graph break would leave part of the step unfused), so it runs on the CPU, where the
+    default never compiles."""
+    t = targets[family]
+    prompts = _prompts(seed=7)
+    cfg = BatchConfig(batch_size=3, max_len=128, check_every=4, prefill_tokens=16)
+    plain = BatchGenerator(t, cfg)
+    assert plain.decode_scope is False  # the CPU default
+    ref = plain.generate(prompts, NEW)
+    stop = ref[1][3]
+    ref_stop = plain.generate(prompts, NEW, stop_ids=[stop])
+    torch._dynamo.reset()
+    gen = BatchGenerator(t, cfg)
+    gen.native.enable_compile("layer", backend="eager", fullgraph=True)
+    gen.decode_scope = "layer"
+    assert gen.generate(prompts, NEW) == ref
+    assert gen.generate(prompts, NEW, stop_ids=[stop]) == ref_stop
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 3  # attn_in, attend, attn_out_mlp traced
+    assert gen.native.report()["compile_failures"] == {}
+    torch._dynamo.reset()
+
+
 def test_fill_order_bounds_each_forward():
     plan = fill_order([5, 40, 12, 3], budget=16)
     for group in plan:
@@ -119,6 +145,25 @@ def test_cuda_graphed_equals_eager(family):
         assert outs[False, temp] == outs[True, temp]
     ref = _engine_refs(t, prompts)
     assert outs[True, 0.0][0][::2] == ref
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_cuda_compiled_decode_equals_plain(family):
+    """The CUDA default (the decode step's layer halves compiled by Inductor, in the CUDA graph) gives the plain
+    step's tokens in fp32, greedy and sampled."""
+    t = tiny_target(family, device="cuda", dtype="fp32")
+    prompts = _prompts()
+    outs = {}
+    for compiled in (False, None):
+        for temp in (0.0, 0.8):
+            gen = BatchGenerator(t, BatchConfig(batch_size=3, max_len=128, compile_decode=compiled, temperature=temp,
+                                                check_every=4, prefill_tokens=16))
+            assert bool(gen.decode_scope) == (compiled is None)
+            outs[compiled, temp] = gen.generate(prompts, NEW, samples_per_prompt=2, seed=1)
+            assert gen.native.report()["compile_failures"] == {}
+    for temp in (0.0, 0.8):
+        assert outs[False, temp] == outs[None, temp]
 
 
 @pytest.mark.gpu

@@ -19,8 +19,8 @@ stamp "start (code $(cat $W/COMMIT 2>/dev/null))"
 for i in $(seq 90); do [ -f $W/pre.done ] && break; sleep 5; done; stamp "pre done: $([ -f $W/pre.done ] && echo yes || echo NO)"
 bash examples/gpu_recipe.sh data,chat > $L/chat.log 2>&1; stamp "chat rc=$?"
 if [ ! -f $W/stop ] && [ ! -f $W/skip_bench ]; then  # skip_bench: a call drops it for the budget
-  timeout 300 python3 benchmarks/bench_generate.py --target $OUT/chat-target --chat-template gemma --prompts $W/data/prompts.jsonl \
-    --n 256 --big-n 2048 --batch-sizes 256,512 --hf-batch 256 --max-new-tokens 256 --max-len 768 --target-pass native \
+  timeout 420 python3 benchmarks/bench_generate.py --target $OUT/chat-target --chat-template gemma --prompts $W/data/prompts.jsonl \
+    --n 256 --big-n 2048 --batch-sizes 256,512 --hf-batch 256 --max-new-tokens 256 --max-len 768 --target-pass native-plain,native \
     --temperature 0.8 --samples 2 --split --profile $R/profile-generate.txt --out $R/bench-generate.json > $L/bench-generate.log 2>&1
   stamp "bench-generate rc=$?"
 fi

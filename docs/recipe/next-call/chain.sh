@@ -16,8 +16,8 @@ stamp "start (code $(cat $W/COMMIT 2>/dev/null))"
 for i in $(seq 90); do [ -f $W/pre.done ] && break; sleep 5; done; stamp "pre done: $([ -f $W/pre.done ] && echo yes || echo NO)"
 bash examples/gpu_recipe.sh data > $L/data.log 2>&1
 bench_generate() {  # $1 target, $2 chat template: the batch engine against HF generate, split and profiled
-  timeout 300 python3 benchmarks/bench_generate.py --target "$1" --chat-template "$2" --prompts $W/data/prompts.jsonl \
-    --n 256 --big-n 2048 --batch-sizes 256,512 --hf-batch 256 --max-new-tokens 256 --max-len 768 --target-pass native \
+  timeout 420 python3 benchmarks/bench_generate.py --target "$1" --chat-template "$2" --prompts $W/data/prompts.jsonl \
+    --n 256 --big-n 2048 --batch-sizes 256,512 --hf-batch 256 --max-new-tokens 256 --max-len 768 --target-pass native-plain,native \
     --split --profile $R/profile-generate.txt --out $R/bench-generate.json > $L/bench-generate.log 2>&1
 }
 if [ -f $W/bench_only ]; then  # too little budget for the builds: the batch engine on the base model alone
