@@ -184,8 +184,8 @@ class BatchGenerator:
         self.W = S  # output columns per row; column W is where inactive rows write (never read)
         self.cache = RowCache(int(text.num_hidden_layers), B, S)
         # the native decoder reads per-row positions and [b, 1, T, S] masks and writes through RowCache's
-        # layers as HF's forward does, so the batch takes it as it is (uncompiled unless an engine on the
-        # same model compiled it: one decoder per model)
+        # layers as HF's forward does, so the batch takes it as it is (one decoder per model, shared with the
+        # engines over it: a forward runs the compiled functions only when it asks for them)
         self.target_pass_kind = choose_target_pass(model, self.cfg.target_pass)
         compiled = (self.cfg.compile_decode is not False and self.device.type == "cuda"
                     and self.target_pass_kind == "native")
