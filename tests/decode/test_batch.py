@@ -131,40 +131,28 @@ def test_bad_input_is_one_line(targets):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
-def test_cuda_graphed_equals_eager(family):
+def test_cuda_graphed_equals_eager_and_compiled_equals_plain(family):
+    """fp32, greedy and sampled: the graphed step == the eager one, and the CUDA default (the decode step's layer
+    halves compiled by Inductor, in the graph) == the plain step; each reproduces across calls."""
     t = tiny_target(family, device="cuda", dtype="fp32")
     prompts = _prompts()
+    variants = {"eager": dict(use_cuda_graphs=False, compile_decode=False),
+                "graphed": dict(use_cuda_graphs=True, compile_decode=False),
+                "graphed, compiled": dict(use_cuda_graphs=True)}
     outs = {}
-    for graphs in (False, True):
+    for name, kw in variants.items():
         for temp in (0.0, 0.8):
-            gen = BatchGenerator(t, BatchConfig(batch_size=3, max_len=128, use_cuda_graphs=graphs, temperature=temp,
-                                                check_every=4, prefill_tokens=16))
-            outs[graphs, temp] = [gen.generate(prompts, NEW, samples_per_prompt=2, seed=1) for _ in range(2)]
-            assert (gen.graph is not None) == graphs
-            assert outs[graphs, temp][0] == outs[graphs, temp][1]
-    for temp in (0.0, 0.8):
-        assert outs[False, temp] == outs[True, temp]
-    ref = _engine_refs(t, prompts)
-    assert outs[True, 0.0][0][::2] == ref
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("family", ["llama", "gemma3"])
-def test_cuda_compiled_decode_equals_plain(family):
-    """The CUDA default (the decode step's layer halves compiled by Inductor, in the CUDA graph) gives the plain
-    step's tokens in fp32, greedy and sampled."""
-    t = tiny_target(family, device="cuda", dtype="fp32")
-    prompts = _prompts()
-    outs = {}
-    for compiled in (False, None):
-        for temp in (0.0, 0.8):
-            gen = BatchGenerator(t, BatchConfig(batch_size=3, max_len=128, compile_decode=compiled, temperature=temp,
-                                                check_every=4, prefill_tokens=16))
-            assert bool(gen.decode_scope) == (compiled is None)
-            outs[compiled, temp] = gen.generate(prompts, NEW, samples_per_prompt=2, seed=1)
+            gen = BatchGenerator(t, BatchConfig(batch_size=3, max_len=128, temperature=temp, check_every=4,
+                                                prefill_tokens=16, **kw))
+            outs[name, temp] = [gen.generate(prompts, NEW, samples_per_prompt=2, seed=1) for _ in range(2)]
+            assert (gen.graph is not None) == kw["use_cuda_graphs"]
+            assert bool(gen.decode_scope) == ("compiled" in name)
             assert gen.native.report()["compile_failures"] == {}
+            assert outs[name, temp][0] == outs[name, temp][1]
     for temp in (0.0, 0.8):
-        assert outs[False, temp] == outs[None, temp]
+        assert outs["eager", temp] == outs["graphed", temp] == outs["graphed, compiled", temp]
+    ref = _engine_refs(t, prompts)
+    assert outs["graphed", 0.0][0][::2] == ref
 
 
 @pytest.mark.gpu
