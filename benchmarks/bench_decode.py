@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import platform
 import statistics
@@ -61,7 +60,7 @@ import torch
 
 from draftport.decode.evaluate import EvalConfig, decode_rate, hf_generate_rate, load_drafter_for, run_eval, sync, time_call
 from draftport.model import native
-from emit import emit
+from emit import emit, emit_partial
 from profiling import kernel_profile
 
 HBM_BYTES_PER_S = 4.8e12  # H200 HBM3e peak
@@ -140,9 +139,7 @@ class Budget:
     def checkpoint(self, note: str) -> None:
         """Progress to stderr and the figures so far to `out` (the final emit overwrites them)."""
         print(f"[bench_decode {time.perf_counter() - self.t0:7.1f} s] {note}", file=sys.stderr, flush=True)
-        if self.out:
-            with open(self.out, "w") as f:
-                f.write(json.dumps({**self.head, **self.result, "partial": True}, default=str) + "\n")
+        emit_partial({**self.head, **self.result}, self.out)
 
     def left(self) -> float:
         return self.seconds - (time.perf_counter() - self.t0)

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import subprocess
 import time
@@ -43,7 +42,7 @@ from draftport.decode.batch import BatchConfig, BatchGenerator
 from draftport.decode.evaluate import sync
 from draftport.model.target import load_target
 from draftport.train.regenerate import generate_ids_hf
-from emit import emit
+from emit import emit, emit_partial, write_atomic
 from profiling import kernel_profile
 
 
@@ -164,12 +163,9 @@ def step_profile(gen, dev, title: str) -> tuple[dict, str]:
 def keep_partial(res: dict, tables: list[str], args) -> None:
     """What is measured so far, on disk (`partial: true`; the last emit replaces it): a device call cut short by
     its time limit, or a machine taken back mid-run, still returns the sections it finished."""
-    for path, text in ((args.out, json.dumps({**res, "partial": True}, default=str) + "\n"),
-                       (args.profile if tables else None, "\n\n".join(tables))):
-        if path:
-            with open(path + ".tmp", "w") as f:
-                f.write(text)
-            os.replace(path + ".tmp", path)
+    emit_partial(res, args.out)
+    if args.profile and tables:
+        write_atomic(args.profile, "\n\n".join(tables))
 
 
 def run_hf(target, prompts, args, stops, temperature, samples):
@@ -247,8 +243,7 @@ def main(argv=None) -> int:
                     torch.cuda.empty_cache()
         print(json.dumps({mode: sec}), flush=True)
     if args.profile:
-        with open(args.profile, "w") as f:
-            f.write("\n\n".join(tables))
+        write_atomic(args.profile, "\n\n".join(tables))
     emit(res, args.out)
     return 0
 
