@@ -3,8 +3,8 @@
 What regeneration costs is generated tokens per second over many chat prompts, so both engines get
 the same prompts (the first turns of --prompts, encoded with --chat-template) and the same stop ids, and
 the figure is the answers' tokens (up to and including the stop id) over the wall time of the whole call
-(prefill included; each engine warmed up first on other prompts, so CUDA-graph capture and kernel
-autotuning are not in it):
+(prefill included; each engine warmed up first on other prompts at full width and length, so CUDA-graph
+capture, kernel choice and the allocator's growth are not in it):
 
     hf        HF generate, left-padded batches of --hf-batch (what train/regenerate.py's `hf` engine runs)
     batch_B   BatchGenerator with B rows, continuously refilled, for each B in --batch-sizes (with several
@@ -12,8 +12,9 @@ autotuning are not in it):
               on CUDA, `native-plain` runs them uncompiled: the before and after of BatchConfig.compile_decode)
     big_B     the largest B over --big-n prompts (more prompts than rows: refill in steady state)
 
-    split_B   (--split) the steady-state prompts (--big-n, else the --n ones) once more at the largest B, the
-              time split into prefills, decode steps (ms a step) and the host's share between them
+    split_B   (--split) the steady-state prompts (--big-n, else the --n ones) once more at the largest B, one
+              answer a prompt, the time split into prefills, decode steps (ms a step) and the host's share
+              between them (in each mode: the sampled step's ms less the greedy one's is what the pick costs)
     profile_B (--profile FILE) kernels and kernel ms of one eager decode step of all B rows, tables to FILE
 
 greedy and, with --temperature > 0, sampled (several samples a prompt is the regeneration recipe).
@@ -68,7 +69,7 @@ def parse_args(argv=None):
                    help="batch engine's target forward, comma-separated to time several side by side: auto, hf, native "
                         "(decode step compiled on CUDA), native-plain (not compiled)")
     p.add_argument("--split", action="store_true",
-                   help="greedy, largest batch: one more run of the prompts with its time split into prefill, "
+                   help="largest batch, each mode: one more run of the prompts with its time split into prefill, "
                         "decode steps (ms a step) and the host's share")
     p.add_argument("--profile", default=None,
                    help="greedy, largest batch: kernel tables of 10 eager decode steps of every row, to this file")
@@ -104,6 +105,12 @@ def first_turn_prompts(target, data: str, n: int, template, max_len: int, offset
     return out
 
 
+def widen(prompts: list[list[int]], n: int) -> list[list[int]]:
+    """n prompts cycled from a few (the warm-ups: as many rows as the timed run, other prompts than its own where
+    the data has them)."""
+    return [prompts[i % len(prompts)] for i in range(n)] if prompts else []
+
+
 def timed(fn, dev):
     sync(dev)
     t0 = time.perf_counter()
@@ -116,7 +123,7 @@ def timed(fn, dev):
 
 
 def split_run(gen, prompts, args, stops, dev) -> dict:
-    """The prompts once more, greedy, with the wall time split: prefills (admitting prompts into free rows),
+    """The prompts once more, one answer each in the generator's mode, with the wall time split: prefills (admitting prompts into free rows),
     decode-step launches (graph replays, `check_every` a host look) and the rest, the host's bookkeeping
     between them. Each part is synced, which adds a little to the total; it says where the time goes."""
     spent = {"prefill": 0.0, "decode": 0.0, "decode_calls": 0}
@@ -206,7 +213,10 @@ def main(argv=None) -> int:
     modes = [("greedy", 0.0, 1)] + ([("sampled", args.temperature, args.samples)] if args.temperature > 0 else [])
     for mode, temp, samples in modes:
         sec = res[mode] = {"temperature": temp, "samples_per_prompt": samples}
-        run_hf(target, warm[:4], args, stops, temp, 1)  # warm-up: kernels, allocator
+        # warm-up at full width, as long as the timed run: in the twenty-first session HF ran 74 ms a step greedy
+        # and 28 ms sampled on the same model after a 4-prompt warm-up; a cold first full-width run (kernel choice,
+        # allocator growth) is the suspect, and it would flatter the ×HF
+        run_hf(target, widen(warm or prompts, args.hf_batch), args, stops, temp, 1)
         hf_rows, sec["hf"] = timed(lambda: run_hf(target, prompts, args, stops, temp, samples), dev)
         sec["hf"]["batch"] = args.hf_batch
         keep_partial(res, tables, args)
@@ -216,7 +226,7 @@ def main(argv=None) -> int:
                 gen = BatchGenerator(target, BatchConfig(batch_size=B, max_len=args.max_len, temperature=temp, seed=1,
                                                          target_pass=tp.removesuffix("-plain"),
                                                          compile_decode=False if tp.endswith("-plain") else None))
-                gen.generate(warm, 32, stop_ids=stops)  # captures the decode graph
+                gen.generate(widen(warm or prompts, B), args.max_new_tokens, stop_ids=stops)  # the graph, full-width refills
                 key = f"batch_{B}{tag}"
                 rows, sec[key] = timed(lambda: gen.generate(prompts, args.max_new_tokens, stop_ids=stops,
                                                             samples_per_prompt=samples), dev)
@@ -228,7 +238,7 @@ def main(argv=None) -> int:
                                                                          samples_per_prompt=samples), dev)
                     sec[f"big_{B}{tag}"]["x_hf"] = round(sec[f"big_{B}{tag}"]["tok_s"] / sec["hf"]["tok_s"], 2)
                     keep_partial(res, tables, args)
-                if B == sizes[-1] and mode == "greedy" and args.split:
+                if B == sizes[-1] and args.split:  # sampled too: what the sampled pick adds to a step
                     # on the steady-state set when there is one: continuous refill is where prefills and host
                     # looks interleave with the steps, which one batch of short prompts would not show
                     sec[f"split_{B}{tag}"] = split_run(gen, big or prompts, args, stops, dev)

@@ -72,10 +72,11 @@ def test_row_stops_when_its_cache_is_full(targets):
     assert out == [ref[0][:6], ref[1][:13]]
 
 
-def test_sampling_reproduces_and_samples_differ(targets):
+@pytest.mark.parametrize("top_p", [0.95, 1.0])  # 1.0: the race on the logits (sampling.race_pick)
+def test_sampling_reproduces_and_samples_differ(targets, top_p):
     t = targets["gemma3"]
     prompts = _prompts(LENGTHS[:3], seed=3)
-    gen = BatchGenerator(t, BatchConfig(batch_size=4, max_len=96, temperature=1.0, top_p=0.95, check_every=3))
+    gen = BatchGenerator(t, BatchConfig(batch_size=4, max_len=96, temperature=1.0, top_p=top_p, check_every=3))
     a = gen.generate(prompts, 12, samples_per_prompt=3, seed=5)
     b = gen.generate(prompts, 12, samples_per_prompt=3, seed=5)
     c = gen.generate(prompts, 12, samples_per_prompt=3, seed=6)

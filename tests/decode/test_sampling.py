@@ -71,6 +71,28 @@ def test_sample_follows_the_distribution_and_is_seeded():
     assert torch.equal(S.sample(p.expand(50, V), _gen(7)), S.sample(p.expand(50, V), _gen(7)))
 
 
+def test_race_pick_is_the_exponential_race_on_logits():
+    """race_pick(l, E, T) == argmax(softmax(l / T) / E) for the same noise, follows softmax(l / T), and traces
+    as one graph (the batch engine compiles it into its decode step)."""
+    logits = torch.randn(2000, 64, generator=_gen(3)) * 3
+    noise = torch.empty(2000, 64).exponential_(1.0, generator=_gen(4))
+    for temp in (0.7, 1.0):
+        assert torch.equal(S.race_pick(logits, noise, temp), (S.warp_probs(logits, temp) / noise).argmax(-1))
+    row = torch.tensor([2.0, 1.0, 0.5, -1.0, -30.0])
+    noise = torch.empty(TRIALS, V).exponential_(1.0, generator=_gen(5))
+    counts = np.bincount(S.race_pick(row.expand(TRIALS, V), noise, 0.8).numpy(), minlength=V)
+    p = S.warp_probs(row, 0.8).double().numpy()
+    assert chisquare(counts[:4], p[:4] / p[:4].sum() * counts[:4].sum()).pvalue > 1e-3 and counts[4] <= 1
+    zero = torch.ones(1, V)
+    zero[0, 3] = 0.0  # an E of exactly 0 wins, as p / 0 does, instead of a NaN
+    assert int(S.race_pick(row[None], zero, 1.0)) == 3
+    torch._dynamo.reset()
+    traced = torch.compile(S.race_pick, backend="eager", fullgraph=True)
+    assert torch.equal(traced(logits, noise[:2000, :5].repeat(1, 13)[:, :64], 0.9),
+                       S.race_pick(logits, noise[:2000, :5].repeat(1, 13)[:, :64], 0.9))
+    torch._dynamo.reset()
+
+
 # ---------------------------------------------------------------------------------------------
 # chain acceptance
 # ---------------------------------------------------------------------------------------------

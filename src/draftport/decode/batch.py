@@ -206,6 +206,12 @@ class BatchGenerator:
         self.noise = torch.ones(B, int(target.vocab_size), dtype=torch.float32, device=dev) if self.sampled else None
         self.use_graphs = bool(self.cfg.use_cuda_graphs) and self.device.type == "cuda"
         self.graph = None
+        # the sampled pick compiled with the decode step (static [B, V] shapes: the step's are fixed)
+        self._race = sampling.race_pick
+        if self.sampled and self.device.type == "cuda" and self.cfg.compile_decode is not False:
+            from draftport.model.fusion import compiled as compile_fn
+
+            self._race = compile_fn(sampling.race_pick, dynamic=False)
 
     # -- the passes ---------------------------------------------------------------------------
     def _forward(self, ids: torch.Tensor, qpos: torch.Tensor, rows: torch.Tensor | None,
@@ -222,9 +228,12 @@ class BatchGenerator:
         return out.last_hidden_state
 
     def _pick(self, logits: torch.Tensor, noise: torch.Tensor | None) -> torch.Tensor:
-        """logits [b, V] -> next tokens [b]: argmax, or the exponential race over the warped p."""
+        """logits [b, V] -> next tokens [b]: argmax, or the exponential race over the warped p (without top-p, the
+        race on the logits themselves, fused into one kernel on CUDA: sampling.race_pick)."""
         if not self.sampled:
             return logits.argmax(-1)
+        if self.cfg.top_p >= 1.0:
+            return self._race(logits, noise, self.cfg.temperature)
         probs = sampling.warp_probs(logits, self.cfg.temperature, self.cfg.top_p)
         return (probs / noise).argmax(-1)
 
