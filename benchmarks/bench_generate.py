@@ -9,7 +9,8 @@ capture, kernel choice and the allocator's growth are not in it):
     hf        HF generate, left-padded batches of --hf-batch (what train/regenerate.py's `hf` engine runs)
     batch_B   BatchGenerator with B rows, continuously refilled, for each B in --batch-sizes (with several
               --target-pass values, batch_B_<pass> for each; `native` compiles the decode step's layer halves
-              on CUDA, `native-plain` runs them uncompiled: the before and after of BatchConfig.compile_decode)
+              on CUDA, `native-plain` runs them uncompiled: the before and after of BatchConfig.compile_decode;
+              `native-flex` is `native` with BatchConfig.decode_attention "flex")
     big_B     the largest B over --big-n prompts (more prompts than rows: refill in steady state)
 
     split_B   (--split) the steady-state prompts (--big-n, else the --n ones) once more at the largest B, one
@@ -67,7 +68,8 @@ def parse_args(argv=None):
     p.add_argument("--dtype", default=None)
     p.add_argument("--target-pass", default="auto",
                    help="batch engine's target forward, comma-separated to time several side by side: auto, hf, native "
-                        "(decode step compiled on CUDA), native-plain (not compiled)")
+                        "(decode step compiled on CUDA), native-plain (not compiled), native-flex (compiled, flex "
+                        "decode attention: each row reads only its visible key blocks)")
     p.add_argument("--split", action="store_true",
                    help="largest batch, each mode: one more run of the prompts with its time split into prefill, "
                         "decode steps (ms a step) and the host's share")
@@ -123,9 +125,10 @@ def timed(fn, dev):
 
 
 def split_run(gen, prompts, args, stops, dev) -> dict:
-    """The prompts once more, one answer each in the generator's mode, with the wall time split: prefills (admitting prompts into free rows),
-    decode-step launches (graph replays, `check_every` a host look) and the rest, the host's bookkeeping
-    between them. Each part is synced, which adds a little to the total; it says where the time goes."""
+    """The prompts once more, one answer each in the generator's mode, with the wall time split: prefills
+    (admitting prompts into free rows), decode-step launches (graph replays, `check_every` a host look) and the
+    rest, the host's bookkeeping between them. Each part is synced, which adds a little to the total; it says
+    where the time goes."""
     spent = {"prefill": 0.0, "decode": 0.0, "decode_calls": 0}
 
     def clocked(name, fn):
@@ -224,9 +227,11 @@ def main(argv=None) -> int:
             tag = "" if len(passes) == 1 else f"_{tp}"  # one pass keeps the keys earlier results used
             for B in sizes:
                 gen = BatchGenerator(target, BatchConfig(batch_size=B, max_len=args.max_len, temperature=temp, seed=1,
-                                                         target_pass=tp.removesuffix("-plain"),
-                                                         compile_decode=False if tp.endswith("-plain") else None))
-                gen.generate(widen(warm or prompts, B), args.max_new_tokens, stop_ids=stops)  # the graph, full-width refills
+                                                         target_pass=tp.removesuffix("-plain").removesuffix("-flex"),
+                                                         compile_decode=False if tp.endswith("-plain") else None,
+                                                         decode_attention="flex" if tp.endswith("-flex") else "dense"))
+                # captures the graph; full width and length, so the refills' prefill shapes are warm too
+                gen.generate(widen(warm or prompts, B), args.max_new_tokens, stop_ids=stops)
                 key = f"batch_{B}{tag}"
                 rows, sec[key] = timed(lambda: gen.generate(prompts, args.max_new_tokens, stop_ids=stops,
                                                             samples_per_prompt=samples), dev)
@@ -247,6 +252,9 @@ def main(argv=None) -> int:
                     figures, table = step_profile(gen, dev, f"{tp}: batch decode step, {B} rows, 10 calls, eager")
                     sec[f"profile_{B}{tag}"] = {k: round(v, 3) for k, v in figures.items()}
                     tables.append(table)
+                if gen.native is not None and gen.native.report()["compile_failures"]:  # it ran plain, slowly: say so
+                    sec[f"compile_failures_{B}{tag}"] = {k: str(v)[:300] for k, v in
+                                                         gen.native.report()["compile_failures"].items()}
                 keep_partial(res, tables, args)
                 del gen
                 if dev.type == "cuda":

@@ -104,16 +104,19 @@ def test_bench_generate_runs_both_engines_on_the_same_prompts(bench_path, tmp_pa
     out = tmp_path / "generate.json"
     assert bench_generate.main(["--target", str(tmp_path / "target"), "--prompts", str(prompts), "--n", "4",
                                 "--big-n", "6", "--batch-sizes", "2,4", "--hf-batch", "2", "--max-new-tokens", "6",
-                                "--max-len", "64", "--device", "cpu", "--target-pass", "hf,native,native-plain",
+                                "--max-len", "64", "--device", "cpu",
+                                "--target-pass", "hf,native,native-plain,native-flex",
                                 "--out", str(out)]) == 0
     r = _last_json(out)
     greedy = r["greedy"]
     assert greedy["hf"]["tok_s"] > 0  # HF generate, the anchor of the same run
-    passes = ("hf", "native", "native-plain")  # native-plain: the decode step uncompiled (the same on a CPU)
+    # native-plain: the decode step uncompiled (the same on a CPU); native-flex: flex decode attention
+    passes = ("hf", "native", "native-plain", "native-flex")
     for tp in passes:  # the batch engine per target pass, each batch size, and the refill run
         assert all(greedy[f"{run}_{tp}"]["tokens"] > 0 for run in ("batch_2", "batch_4", "big_4"))
         assert f"identical_to_hf_{tp}" in greedy
-    assert greedy["identical_to_hf_native"] == greedy["identical_to_hf_native-plain"]
+    same = {greedy[f"identical_to_hf_{tp}"] for tp in ("native", "native-plain", "native-flex")}
+    assert len(same) == 1
     assert all(r["sampled"][f"big_4_{tp}"]["answers"] > 6 for tp in passes)  # several answers a prompt
 
 

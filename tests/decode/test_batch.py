@@ -5,7 +5,8 @@ Equivalences (fp32, greedy): BatchGenerator == the batch-1 engine (SpecEngine wi
 different times (stop ids, token limits) and refilled, prompts prefilled in pieces, on a tiny Llama and
 a tiny Gemma-3 whose sliding window (8) is shorter than the prompts. Sampling reproduces for a seed
 and differs across samples. The decode step's compiled layer halves == the plain ones (traced on the CPU; compiled
-by Inductor on CUDA). On CUDA: graphed == eager, and a bf16 batch-128 smoke run.
+by Inductor on CUDA), and its flex decode attention (each row's visible key blocks only) == the dense one. On
+CUDA: graphed == eager, and a bf16 batch-128 smoke run.
 """
 
 from __future__ import annotations
@@ -112,6 +113,53 @@ def test_compiled_decode_step_equals_plain(family):
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_flex_decode_attention_equals_dense(family):
+    """decode_attention "flex" (each row reads only the key blocks it can see) gives the dense step's tokens, greedy
+    and sampled, with refills and stop ids; blocks of 8 slots so rows skip blocks (and the tiny Gemma-3's window of 8
+    skips the blocks before it); also traced with fullgraph, as the CUDA default compiles it."""
+    t = tiny_target(family)
+    prompts = _prompts(seed=11)
+    base = dict(batch_size=3, max_len=128, check_every=4, prefill_tokens=16)
+    for temp in (0.0, 0.9):
+        dense = BatchGenerator(t, BatchConfig(temperature=temp, **base))
+        flex = BatchGenerator(t, BatchConfig(temperature=temp, decode_attention="flex", flex_block=8, **base))
+        ref = dense.generate(prompts, NEW, samples_per_prompt=2, seed=3)
+        assert flex.generate(prompts, NEW, samples_per_prompt=2, seed=3) == ref
+        stop = ref[2][4]
+        assert (flex.generate(prompts, NEW, stop_ids=[stop], seed=3)
+                == dense.generate(prompts, NEW, stop_ids=[stop], seed=3))
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    gen = BatchGenerator(t, BatchConfig(decode_attention="flex", flex_block=8, **base))
+    gen.native.enable_compile("layer", backend="eager", fullgraph=True)
+    gen.decode_scope = "layer"
+    assert gen.generate(prompts, NEW) == BatchGenerator(t, BatchConfig(**base)).generate(prompts, NEW)
+    assert gen.native.report()["compile_failures"] == {}
+    torch._dynamo.reset()
+
+
+def test_flex_block_masks_match_the_dense_masks():
+    """row_block_masks' blocks and mask_mod allow exactly row_masks' slots (causal, and the window), and each row's
+    block count is what its position needs."""
+    from draftport.decode.batch import row_block_masks, row_masks, visible
+
+    S, block = 48, 8
+    pos = torch.tensor([0, 7, 8, 30, 47])
+    kinds, windows = ["full_attention", "sliding_attention"], [None, 10]
+    mods = {k: visible(pos, w) for k, w in zip(kinds, windows)}
+    flex = row_block_masks(pos, S, kinds, windows, mods, block)
+    dense = row_masks(pos[:, None], S, kinds, windows, torch.float32)
+    for kind, window in zip(kinds, windows):
+        bm = flex[kind]
+        got = bm.to_dense().repeat_interleave(block, -1)[:, 0, 0, :S].bool()        # the blocks read
+        got &= torch.stack([torch.tensor([bool(bm.mask_mod(b, 0, 0, torch.tensor(j))) for j in range(S)])
+                            for b in range(len(pos))])
+        assert torch.equal(got, dense[kind][:, 0, 0] == 0), kind
+        lo = torch.zeros_like(pos) if window is None else (pos - window + 1).clamp(min=0)
+        assert bm.kv_num_blocks[:, 0, 0].tolist() == (pos // block - lo // block + 1).tolist()
+
+
 def test_fill_order_bounds_each_forward():
     plan = fill_order([5, 40, 12, 3], budget=16)
     for group in plan:
@@ -128,18 +176,25 @@ def test_bad_input_is_one_line(targets):
         gen.generate([[5]], 0)
     with pytest.raises(DraftportError, match="temperature"):
         BatchConfig(temperature=-1).checked()
+    with pytest.raises(DraftportError, match="decode_attention"):
+        BatchConfig(decode_attention="paged").checked()
+    with pytest.raises(DraftportError, match="native target pass"):
+        BatchGenerator(targets["llama"], BatchConfig(batch_size=2, max_len=16, target_pass="hf",
+                                                     decode_attention="flex"))
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 def test_cuda_graphed_equals_eager_and_compiled_equals_plain(family):
     """fp32, greedy and sampled: the graphed step == the eager one, and the CUDA default (the decode step's layer
-    halves compiled by Inductor, in the graph) == the plain step; each reproduces across calls."""
+    halves compiled by Inductor, in the graph) == the plain step, and so does Inductor's flex decode attention;
+    each reproduces across calls."""
     t = tiny_target(family, device="cuda", dtype="fp32")
     prompts = _prompts()
     variants = {"eager": dict(use_cuda_graphs=False, compile_decode=False),
                 "graphed": dict(use_cuda_graphs=True, compile_decode=False),
-                "graphed, compiled": dict(use_cuda_graphs=True)}
+                "graphed, compiled": dict(use_cuda_graphs=True),
+                "graphed, compiled, flex": dict(use_cuda_graphs=True, decode_attention="flex", flex_block=16)}
     outs = {}
     for name, kw in variants.items():
         for temp in (0.0, 0.8):
@@ -151,7 +206,8 @@ def test_cuda_graphed_equals_eager_and_compiled_equals_plain(family):
             assert gen.native.report()["compile_failures"] == {}
             assert outs[name, temp][0] == outs[name, temp][1]
     for temp in (0.0, 0.8):
-        assert outs["eager", temp] == outs["graphed", temp] == outs["graphed, compiled", temp]
+        assert (outs["eager", temp] == outs["graphed", temp] == outs["graphed, compiled", temp]
+                == outs["graphed, compiled, flex", temp])
     ref = _engine_refs(t, prompts)
     assert outs["graphed", 0.0][0][::2] == ref
 

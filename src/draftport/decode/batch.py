@@ -16,7 +16,9 @@ window on sliding layers), built the same way as decode/engine.py's masks.
              looks only every cfg.check_every steps. On CUDA the native pass of this step runs its layer
              halves compiled (cfg.compile_decode): a graph removes the launches' host cost, not the
              kernels' own few microseconds each, and the plain pass runs ~1,400 of them a step (every norm
-             is seven elementwise kernels in bf16), against ~300 compiled;
+             is seven elementwise kernels in bf16), against ~300 compiled. With cfg.decode_attention "flex"
+             each row's attention reads only the key blocks it can see (the dense step reads all max_len
+             slots of every row: 2.6 of its 4.0 ms on an H100 at 512 rows × 768 slots);
     refill   rows found done are read back and given the next pending (prompt, sample): continuous
              batching, so a long answer does not hold a batch of short ones hostage.
 
@@ -33,6 +35,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
+from torch.nn.attention.flex_attention import BlockMask
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from draftport.decode import sampling
@@ -41,6 +44,7 @@ from draftport.errors import DraftportError
 from draftport.model.native import check_target_pass, choose_target_pass, native_decoder
 
 MAX_STOP_IDS = 64  # stop ids a call may name (a fixed-size device buffer the graph compares against)
+DECODE_ATTENTION = ("dense", "flex")
 
 
 @dataclass
@@ -57,6 +61,11 @@ class BatchConfig:
     compile_decode: bool | None = None  # the native decode step's layer halves under torch.compile (None: on
                                    # CUDA; never on the CPU, where Inductor would build C++). Prefill stays
                                    # plain: its [b, T] shapes change with every refill
+    decode_attention: str = "dense"  # the decode step's attention: "dense" reads all max_len slots of every row
+                                   # (masked); "flex" reads only the key blocks a row can see (flex attention,
+                                   # a block mask made from the rows' positions each step). Native pass only; on
+                                   # CUDA compiled only (eager flex is the slow reference implementation)
+    flex_block: int = 128          # key slots a flex block holds ("flex" skips whole blocks)
 
     def checked(self) -> "BatchConfig":
         if self.batch_size < 1 or self.max_len < 2 or self.check_every < 1 or self.prefill_tokens < 1:
@@ -64,6 +73,9 @@ class BatchConfig:
                                  f"(got {self.batch_size}, {self.check_every}, {self.prefill_tokens}, {self.max_len})")
         sampling.check_warp(self.temperature, self.top_p)
         check_target_pass(self.target_pass)
+        if self.decode_attention not in DECODE_ATTENTION or self.flex_block < 1:
+            raise DraftportError(f"decode_attention must be one of {', '.join(DECODE_ATTENTION)} and flex_block >= 1 "
+                                 f"(got {self.decode_attention!r}, {self.flex_block})")
         return self
 
 
@@ -136,6 +148,37 @@ def row_masks(qpos: torch.Tensor, S: int, layer_types, windows, dtype) -> dict[s
     return masks
 
 
+def visible(pos: torch.Tensor, window: int | None):
+    """A flex mask_mod: row b's one query, at position pos[b], sees slot kv iff kv <= pos[b] (and pos[b] - kv <
+    window on a sliding layer), row_masks' rule. pos is read when the kernel runs, so one function per layer type
+    serves every step (a new function each step would be a new graph to compile)."""
+    if window is None:
+        def mask_mod(b, h, q_idx, kv_idx):
+            return kv_idx <= pos[b]
+    else:
+        def mask_mod(b, h, q_idx, kv_idx):
+            p = pos[b]
+            return (kv_idx <= p) & (p - kv_idx < window)
+    return mask_mod
+
+
+def row_block_masks(pos: torch.Tensor, S: int, layer_types, windows, mask_mods: dict, block: int) -> dict:
+    """{layer type: flex BlockMask} for one query a row at positions pos [B] over S slots: row b reads the blocks
+    from the one holding its first visible slot (0, or pos - window + 1) to the one holding pos, and the mask_mod
+    masks inside them. Made of tensor ops on pos, so a CUDA graph recomputes it at every replay."""
+    nb = -(-S // block)
+    last = pos // block
+    ar = torch.arange(nb, device=pos.device)
+    out = {}
+    for kind, window in zip(layer_types, windows):
+        first = torch.zeros_like(pos) if window is None else (pos - window + 1).clamp(min=0) // block
+        num = (last - first + 1).to(torch.int32)[:, None, None]                             # [B, 1, 1]
+        idx = (first[:, None] + ar).clamp(max=nb - 1).to(torch.int32)[:, None, None, :]      # [B, 1, 1, nb]
+        out[kind] = BlockMask.from_kv_blocks(num, idx, BLOCK_SIZE=block, mask_mod=mask_mods[kind],
+                                             seq_lengths=(1, S), compute_q_blocks=False)
+    return out
+
+
 def fill_order(lengths: Sequence[int], budget: int) -> list[list[tuple[int, int, int]]]:
     """Prefill plan for prompts of these lengths: forwards, each a list of (prompt index, start, end)
     pieces, at most `budget` padded query tokens a forward; a prompt's pieces come in order, one per
@@ -206,6 +249,14 @@ class BatchGenerator:
         self.noise = torch.ones(B, int(target.vocab_size), dtype=torch.float32, device=dev) if self.sampled else None
         self.use_graphs = bool(self.cfg.use_cuda_graphs) and self.device.type == "cuda"
         self.graph = None
+        self.flex = self.cfg.decode_attention == "flex"
+        if self.flex:
+            if self.native is None:
+                raise DraftportError("decode_attention 'flex' needs the native target pass (this target runs HF's)")
+            if self.device.type == "cuda" and not compiled:
+                raise DraftportError("decode_attention 'flex' runs compiled on CUDA (compile_decode): eager flex "
+                                     "attention is the slow reference implementation")
+            self._mask_mods = {kind: visible(self.pos, w) for kind, w in zip(self._layer_types, self._windows)}
         # the sampled pick compiled with the decode step (static [B, V] shapes: the step's are fixed)
         self._race = sampling.race_pick
         if self.sampled and self.device.type == "cuda" and self.cfg.compile_decode is not False:
@@ -215,11 +266,13 @@ class BatchGenerator:
 
     # -- the passes ---------------------------------------------------------------------------
     def _forward(self, ids: torch.Tensor, qpos: torch.Tensor, rows: torch.Tensor | None,
-                 compiled: str | bool = False) -> torch.Tensor:
+                 compiled: str | bool = False, masks: dict | None = None) -> torch.Tensor:
         """Decoder over ids [b, T] at positions (= slots) qpos [b, T] of cache rows `rows` -> hidden [b, T, H];
-        compiled: the native pass's compiled scope to run (the decode step's)."""
+        compiled: the native pass's compiled scope to run (the decode step's); masks: the decode step's flex block
+        masks (default: row_masks' dense ones)."""
         self.cache.slots, self.cache.rows = qpos, rows
-        masks = row_masks(qpos, self.S, self._layer_types, self._windows, self.dtype)
+        if masks is None:
+            masks = row_masks(qpos, self.S, self._layer_types, self._windows, self.dtype)
         if self.native is not None:
             return self.native.forward(ids, qpos, masks, self.cache, logits=None, compiled=compiled).last_hidden
         mask = masks if len(masks) > 1 else next(iter(masks.values()))
@@ -239,7 +292,9 @@ class BatchGenerator:
 
     def _step(self) -> None:
         """One decode step for all B rows, state updated in place (the function the graph captures)."""
-        h = self._forward(self.tok[:, None], self.pos[:, None], None, self.decode_scope)[:, -1]
+        masks = (row_block_masks(self.pos, self.S, self._layer_types, self._windows, self._mask_mods,
+                                 self.cfg.flex_block) if self.flex else None)
+        h = self._forward(self.tok[:, None], self.pos[:, None], None, self.decode_scope, masks)[:, -1]
         nxt = self._pick(self.target.logits(h), self.noise)                 # [B]
         active = ~self.done
         col = torch.where(active, self.cnt, self.W)

@@ -46,6 +46,7 @@ from typing import Sequence
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from draftport.errors import DraftportError
 from draftport.model.fusion import rms_normalized, rotary_half_split
@@ -194,7 +195,8 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torc
     heads of a group become G·T query rows of their key/value head (row g·T + t is head kv·G + g, token t);
     mask [B|1, 1, G·T or 1, S] is already laid out that way (NativeDecoder._masks); bool (True = attend)
     or additive. Up to SMALL_QUERY_ROWS rows: scores in the model's dtype, softmax in fp32 (HF's eager
-    attention's order), cast back for the value matmul; more rows: SDPA.
+    attention's order), cast back for the value matmul; more rows: SDPA. A flex BlockMask instead (the batch
+    engine's decode_attention "flex", decode/batch.py): flex attention, which skips the blocks the mask leaves out.
 
     invariant: the small-query rows padded to SMALL_QUERY_ROWS, so a 1-token step and a k-token verify
     multiply matrices of one shape. Why: measured on an H100 (2026-12-06, chat target, bf16, prompt lookup on
@@ -205,6 +207,9 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torc
     depend on how many tokens a pass verifies); the batch engine decodes one token a row every step and does not."""
     B, Hq, T, D = q.shape
     Hkv = keys.shape[1]
+    if isinstance(mask, BlockMask):  # the batch engine's decode step: only the key blocks each row can see
+        out = flex_attention(q, keys, values, block_mask=mask, scale=scaling, enable_gqa=Hq != Hkv)
+        return out.transpose(1, 2).reshape(B, T, Hq * D)
     rows = (Hq // Hkv) * T
     qf = q.reshape(B, Hkv, rows, D)
     if rows <= SMALL_QUERY_ROWS:
