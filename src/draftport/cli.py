@@ -135,7 +135,8 @@ def _add_regen(p: argparse.ArgumentParser, batch_default: str) -> None:
     from draftport.train.config import REGEN_ENGINES
 
     p.add_argument("--regen-engine", default="batch", choices=list(REGEN_ENGINES),
-                   help="regeneration: batch = the static-cache batch engine (CUDA-graphed), hf = HF generate")
+                   help="regeneration: batch = the static-cache batch engine (CUDA-graphed), batch-flex = the same "
+                        "with flex decode attention (each row reads only its visible key blocks), hf = HF generate")
     p.add_argument("--max-new-tokens", type=int, default=None, help="regeneration: tokens per response")
     p.add_argument("--temperature", type=float, default=0.0, help="regeneration temperature (0 = greedy)")
 

@@ -249,7 +249,7 @@ def _greedy(target, prompt, max_new, stop_ids):
     return target.tokenizer.decode(out, skip_special_tokens=True).split("\nUser:")[0].strip()
 
 
-@pytest.mark.parametrize("engine", ["batch", "hf"])
+@pytest.mark.parametrize("engine", ["batch", "batch-flex", "hf"])
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 def test_regenerated_turns_are_the_targets_greedy_continuations(family, engine):
     """Both engines give HF greedy's answers turn by turn (fp32), whatever the batching."""

@@ -3,7 +3,8 @@
 # training (length-grouped batches, --aux-scale) to ≈ 20 M tokens, the early curve from its 10 M milestone beside
 # it → the final curve with HumanEval and the math set → the batch engine on the chat target against HF generate.
 # The twenty-first session measured the training at 86–104 k tok/s between its compiles (BENCHMARKS.md), so
-# 1,300 steps × 64 (≈ 20 M tokens) take ≈ 5–6 min. Optional, by a file in /tmp/w: `repro` (build B beside the
+# 1,300 steps × 64 (≈ 20 M tokens) take ≈ 5–6 min. Regeneration runs `--regen-engine batch-flex` when pre.sh's CUDA
+# tests of the batch engine passed. Optional, by a file in /tmp/w: `repro` (build B beside the
 # training and compare both floors; passed bit for bit in the twenty-first session), `sweep` (random batches,
 # batch 32, a 4× wider drafter MLP, on the same answers). `stop` skips every tail stage; `skip_bench` the last one.
 set -u
@@ -18,6 +19,12 @@ L=$W/logs; R=$W/res; mkdir -p $L $R
 stamp() { echo "chain: $1 at $(date -u +%T)"; }
 stamp "start (code $(cat $W/COMMIT 2>/dev/null))"
 for i in $(seq 90); do [ -f $W/pre.done ] && break; sleep 5; done; stamp "pre done: $([ -f $W/pre.done ] && echo yes || echo NO)"
+# regeneration on flex decode attention (1.6x the dense step's tok/s, twenty-first session) only if pre.sh's CUDA
+# equivalence tests of the batch engine all passed; an `env` REGEN_ENGINE wins either way
+if grep -qE "[0-9]+ passed" $R/gpu-tests-batch.txt 2>/dev/null && ! grep -qE "[0-9]+ (failed|error)" $R/gpu-tests-batch.txt; then
+  export REGEN_ENGINE=${REGEN_ENGINE:-batch-flex}
+fi
+stamp "regeneration engine: ${REGEN_ENGINE:-batch}"
 bash examples/gpu_recipe.sh data,chat > $L/chat.log 2>&1; stamp "chat rc=$?"
 REPRO=
 if [ -f $W/repro ]; then ( STAGES=repro bash examples/gpu_recipe.sh > $L/repro.log 2>&1; stamp "repro rc=$?" ) & REPRO=$!; fi

@@ -68,7 +68,7 @@ class CaptureConfig:
     temperature: float = 0.0           # regeneration: 0 = greedy
     regen_batch_size: int | None = None  # regeneration: prompts per batched generate (None: --batch-size);
                                          # generation is host-bound per step, so GPUs want hundreds
-    regen_engine: str = "batch"        # regeneration: batch (static-cache batch engine) | hf (HF generate)
+    regen_engine: str = "batch"        # regeneration: batch (static-cache batch engine) | batch-flex | hf
     chat_template: str | None = None   # named template; None: the tokenizer's own, else plain
     device: str | None = None          # cpu | cuda (None: cuda when available)
     dtype: str | None = None           # target compute dtype bf16 | fp32 (None: bf16 on cuda, fp32 on cpu)
@@ -194,8 +194,8 @@ def regenerate_into(out: str, target, convs, request: dict, console: Console, *,
         for ci, s in enumerate(range(0, len(convs), chunk)):
             path = os.path.join(regen_dir, f"chunk-{ci:05d}.jsonl")
             if not os.path.exists(path):
-                if engine == "batch" and generator is None:  # one cache and graph for every chunk
-                    generator = regen_mod.batch_generator(target, B, request["max_len"], temperature)
+                if engine != "hf" and generator is None:  # one cache and graph for every chunk
+                    generator = regen_mod.batch_generator(target, B, request["max_len"], temperature, engine=engine)
                 part = regen_mod.regenerate(target, convs[s:s + chunk], samples_per_prompt=samples_per_prompt,
                                             max_new_tokens=max_new_tokens, temperature=temperature,
                                             seed=seed + ci, batch_size=B, chat_template=chat_template,

@@ -8,7 +8,9 @@ from dataclasses import dataclass
 from draftport.errors import DraftportError
 
 
-REGEN_ENGINES = ("batch", "hf")  # regeneration: the static-cache batch engine, or HF generate
+# regeneration: the static-cache batch engine, the same with flex decode attention (each row reads only its visible
+# key blocks: 1.6x the dense step's tok/s on an H100, BENCHMARKS.md), or HF generate
+REGEN_ENGINES = ("batch", "batch-flex", "hf")
 TOKEN_SCALE = {"k": 10 ** 3, "m": 10 ** 6, "g": 10 ** 9}  # token-count suffixes (either case): powers of 1000
 
 
@@ -73,7 +75,7 @@ class TrainConfig:
     max_new_tokens: int | None = None    # regeneration: tokens per answer (None: train.regenerate's default)
     temperature: float = 0.0             # regeneration sampling temperature (0 = greedy)
     regen_batch_size: int | None = None  # regeneration: batch engine rows / HF generate batch (None: 8)
-    regen_engine: str = "batch"          # regeneration: batch (static-cache batch engine) | hf (HF generate)
+    regen_engine: str = "batch"          # regeneration: batch (static-cache batch engine) | batch-flex | hf
     warmup_ratio: float = 0.015          # linear warmup over this fraction of the steps (≥ 1 step)
     weight_decay: float = 0.0            # AdamW decoupled weight decay
     max_grad_norm: float = 0.5           # gradient clipping (SpecForge's default)
@@ -126,8 +128,8 @@ class TrainConfig:
         if self.regenerate and ((self.regen_batch_size is not None and self.regen_batch_size < 1)
                                 or self.samples_per_prompt < 1 or self.regen_engine not in REGEN_ENGINES):
             raise DraftportError(f"regeneration needs --regen-batch-size and --samples-per-prompt >= 1 and "
-                                 f"--regen-engine batch|hf (got {self.regen_batch_size}, {self.samples_per_prompt}, "
-                                 f"{self.regen_engine!r})")
+                                 f"--regen-engine {'|'.join(REGEN_ENGINES)} (got {self.regen_batch_size}, "
+                                 f"{self.samples_per_prompt}, {self.regen_engine!r})")
         if r.attention not in ("flex", "eager") or (r.attention == "flex" and not cuda):
             raise DraftportError(f"attention {self.attention!r}: expected eager, or flex on CUDA")
         if num_train is not None:

@@ -97,12 +97,14 @@ def response_text(tok, row: Sequence[int], stop_ids: Sequence[int] = (), stop_st
 
 
 def batch_generator(target, batch_size: int, max_len: int | None, temperature: float = 0.0, top_p: float = 1.0,
-                    seed: int = 0):
-    """The batch engine regeneration uses: B rows of max_len slots (prompt + answer)."""
+                    seed: int = 0, engine: str = "batch"):
+    """The batch engine regeneration uses: B rows of max_len slots (prompt + answer); engine "batch-flex": its
+    decode step's attention reads only each row's visible key blocks (BatchConfig.decode_attention "flex")."""
     from draftport.decode.batch import BatchConfig, BatchGenerator
 
     return BatchGenerator(target, BatchConfig(batch_size=batch_size, max_len=max_len or BATCH_MAX_LEN,
-                                              temperature=temperature, top_p=top_p, seed=seed))
+                                              temperature=temperature, top_p=top_p, seed=seed,
+                                              decode_attention="flex" if engine == "batch-flex" else "dense"))
 
 
 def _feed_until_user(pending: list[dict], out: list[dict]) -> bool:
@@ -124,9 +126,9 @@ def regenerate(target, convs: Sequence[Conversation], *, chat_template=None, max
     variants (ids "<id>#k"); greedy decoding would make them identical, so at temperature 0 one answer is
     generated and copied N times (with a warning). max_new_tokens None: REGEN_MAX_NEW_TOKENS.
 
-    engine "batch": all conversations' ready turns go to one BatchGenerator call per turn (B = batch_size
-    rows, refilled; `generator` reuses one built by `batch_generator` with the same settings, so a chunked
-    caller allocates the cache and captures the graph once); each answer may use up to max_len minus its
+    engine "batch" (or "batch-flex"): all conversations' ready turns go to one BatchGenerator call per turn
+    (B = batch_size rows, refilled; `generator` reuses one built by `batch_generator` with the same settings, so a
+    chunked caller allocates the cache and captures the graph once); each answer may use up to max_len minus its
     own prompt. engine "hf": HF generate over batches of batch_size conversations, each batch's answers
     capped by its longest prompt's room."""
     if samples_per_prompt < 1:
@@ -150,16 +152,17 @@ def regenerate(target, convs: Sequence[Conversation], *, chat_template=None, max
         base = [m for m in conv.messages if m["role"] != "assistant"]
         cid = conv.id if conv.id is not None else str(n)
         jobs += [[cid if samples_per_prompt == 1 else f"{cid}#{k}", list(base), []] for k in range(samples_per_prompt)]
-    if engine == "batch" and generator is None:
-        generator = batch_generator(target, batch_size, max_len, temperature, top_p, seed)
-    if engine == "batch" and (generator.cfg.temperature, generator.cfg.top_p) != (temperature, top_p):
+    batched = engine != "hf"  # batch, batch-flex
+    if batched and generator is None:
+        generator = batch_generator(target, batch_size, max_len, temperature, top_p, seed, engine)
+    if batched and (generator.cfg.temperature, generator.cfg.top_p) != (temperature, top_p):
         raise DraftportError(f"the batch generator samples at temperature {generator.cfg.temperature}, top_p "
                              f"{generator.cfg.top_p}; this regeneration asks for {temperature}, {top_p}")
-    if engine == "batch":
+    if batched:
         max_len = generator.S  # the cache row is the room: prompt + answer
     results: list[Conversation] = []
     # the batch engine refills its own rows, so it takes every conversation at once
-    group = len(jobs) if engine == "batch" else batch_size
+    group = len(jobs) if batched else batch_size
     for start in range(0, len(jobs), group):
         batch = jobs[start:start + group]
         for step in itertools.count():
@@ -174,7 +177,7 @@ def regenerate(target, convs: Sequence[Conversation], *, chat_template=None, max
             if not ready:
                 break  # every conversation of the batch has answered its last user turn (or ran out of room)
             step_seed = seed + 1000003 * start + step
-            if engine == "batch":
+            if batched:
                 rows = generator.generate(prompts, max_new_tokens, stop_ids=stop_ids, seed=step_seed)
                 texts = [response_text(tok, r, stop_ids, stop_strings) for r in rows]
             else:
