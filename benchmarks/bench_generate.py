@@ -252,9 +252,9 @@ def main(argv=None) -> int:
                     figures, table = step_profile(gen, dev, f"{tp}: batch decode step, {B} rows, 10 calls, eager")
                     sec[f"profile_{B}{tag}"] = {k: round(v, 3) for k, v in figures.items()}
                     tables.append(table)
-                if gen.native is not None and gen.native.report()["compile_failures"]:  # it ran plain, slowly: say so
-                    sec[f"compile_failures_{B}{tag}"] = {k: str(v)[:300] for k, v in
-                                                         gen.native.report()["compile_failures"].items()}
+                failures = gen.native.report()["compile_failures"] if gen.native is not None else {}
+                if failures:  # it ran plain, slowly: say so
+                    sec[f"compile_failures_{B}{tag}"] = {k: str(v)[:300] for k, v in failures.items()}
                 keep_partial(res, tables, args)
                 del gen
                 if dev.type == "cuda":

@@ -35,7 +35,7 @@ from draftport.check.layers import validate_aux_ids
 from draftport.errors import DraftportError, bad_input
 from draftport.safeio import atomic_write_json, read_json
 from draftport.data.store import MANIFEST, StoreWriter, bytes_per_token, clear_store, identity_mismatch
-from draftport.train.config import REGEN_ENGINES
+from draftport.train.config import BATCH_ENGINES, REGEN_ENGINES
 
 DEFAULT_MAX_LEN = 2048
 DEFAULT_BATCH = 8
@@ -194,7 +194,7 @@ def regenerate_into(out: str, target, convs, request: dict, console: Console, *,
         for ci, s in enumerate(range(0, len(convs), chunk)):
             path = os.path.join(regen_dir, f"chunk-{ci:05d}.jsonl")
             if not os.path.exists(path):
-                if engine != "hf" and generator is None:  # one cache and graph for every chunk
+                if engine in BATCH_ENGINES and generator is None:  # one cache and graph for every chunk
                     generator = regen_mod.batch_generator(target, B, request["max_len"], temperature, engine=engine)
                 part = regen_mod.regenerate(target, convs[s:s + chunk], samples_per_prompt=samples_per_prompt,
                                             max_new_tokens=max_new_tokens, temperature=temperature,

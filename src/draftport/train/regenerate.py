@@ -17,7 +17,7 @@ from typing import Sequence
 from draftport.data.chat import ChatTemplate, encode_prompt, resolve_chat_template, stop_token_ids
 from draftport.data.conversations import Conversation
 from draftport.errors import DraftportError
-from draftport.train.config import REGEN_ENGINES
+from draftport.train.config import BATCH_ENGINES, REGEN_ENGINES
 
 REGEN_MAX_NEW_TOKENS = 256  # regeneration: tokens per response unless told otherwise
 BATCH_MAX_LEN = 2048  # the batch engine's cache slots a row when no max_len is given
@@ -152,7 +152,7 @@ def regenerate(target, convs: Sequence[Conversation], *, chat_template=None, max
         base = [m for m in conv.messages if m["role"] != "assistant"]
         cid = conv.id if conv.id is not None else str(n)
         jobs += [[cid if samples_per_prompt == 1 else f"{cid}#{k}", list(base), []] for k in range(samples_per_prompt)]
-    batched = engine != "hf"  # batch, batch-flex
+    batched = engine in BATCH_ENGINES
     if batched and generator is None:
         generator = batch_generator(target, batch_size, max_len, temperature, top_p, seed, engine)
     if batched and (generator.cfg.temperature, generator.cfg.top_p) != (temperature, top_p):
