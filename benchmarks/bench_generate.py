@@ -16,7 +16,9 @@ capture, kernel choice and the allocator's growth are not in it):
     split_B   (--split) the steady-state prompts (--big-n, else the --n ones) once more at the largest B, one
               answer a prompt, the time split into prefills, decode steps (ms a step) and the host's share
               between them (in each mode: the sampled step's ms less the greedy one's is what the pick costs)
-    profile_B (--profile FILE) kernels and kernel ms of one eager decode step of all B rows, tables to FILE
+    profile_B (--profile FILE) kernels and kernel ms of one eager decode step of all B rows, tables to FILE;
+              with --split also prefill_profile_B: one prefill of as many rows as the split's refills took on
+              average (its kernel ms against the split's wall ms a prefill says launch- or work-bound)
 
 greedy and, with --temperature > 0, sampled (several samples a prompt is the regeneration recipe).
 Also: the share of greedy answers identical between the engines (bf16 batched numerics differ a little,
@@ -129,7 +131,7 @@ def split_run(gen, prompts, args, stops, dev) -> dict:
     (admitting prompts into free rows), decode-step launches (graph replays, `check_every` a host look) and the
     rest, the host's bookkeeping between them. Each part is synced, which adds a little to the total; it says
     where the time goes."""
-    spent = {"prefill": 0.0, "decode": 0.0, "decode_calls": 0}
+    spent = {"prefill": 0.0, "decode": 0.0, "decode_calls": 0, "prefill_calls": 0, "prefill_rows": 0}
 
     def clocked(name, fn):
         def run(*a, **k):
@@ -138,7 +140,9 @@ def split_run(gen, prompts, args, stops, dev) -> dict:
             r = fn(*a, **k)
             sync(dev)
             spent[name] += time.perf_counter() - t
-            spent["decode_calls"] += name == "decode"
+            spent[f"{name}_calls"] += 1
+            if name == "prefill":
+                spent["prefill_rows"] += len(a[0])  # _prefill(rows, prompts, limits)
             return r
         return run
 
@@ -147,10 +151,12 @@ def split_run(gen, prompts, args, stops, dev) -> dict:
         _, fig = timed(lambda: gen.generate(prompts, args.max_new_tokens, stop_ids=stops), dev)
     finally:  # the instance attributes go; the class's methods show through again
         del gen._prefill, gen._decode
-    steps = spent["decode_calls"]
+    steps, fills = spent["decode_calls"], spent["prefill_calls"]
     return {**fig, "prefill_s": round(spent["prefill"], 3), "decode_s": round(spent["decode"], 3),
             "decode_steps": steps, "ms_per_step": round(1e3 * spent["decode"] / max(1, steps), 3),
-            "host_s": round(fig["seconds"] - spent["prefill"] - spent["decode"], 3)}
+            "host_s": round(fig["seconds"] - spent["prefill"] - spent["decode"], 3),
+            "prefills": fills, "rows_per_prefill": round(spent["prefill_rows"] / max(1, fills), 1),
+            "ms_per_prefill": round(1e3 * spent["prefill"] / max(1, fills), 3)}
 
 
 def step_profile(gen, dev, title: str) -> tuple[dict, str]:
@@ -166,6 +172,18 @@ def step_profile(gen, dev, title: str) -> tuple[dict, str]:
         for _ in range(3):
             gen._step()
         return kernel_profile(gen._step, dev, title=title)
+    finally:
+        gen.done.fill_(True)
+
+
+def prefill_profile(gen, prompts, rows: int, dev, title: str) -> tuple[dict, str]:
+    """Kernel table of 10 eager prefills of `rows` prompts (the first ones of the steady-state set) into rows
+    0..rows-1, as a refill runs them; every row is put back to idle after (a later prefill rewrites its K/V)."""
+    rows = max(1, min(rows, gen.B, len(prompts)))
+    batch = [torch.as_tensor(p, dtype=torch.long, device=gen.device) for p in prompts[:rows]]
+    try:
+        gen._prefill(list(range(rows)), batch, [1] * rows)  # warm: the profile is of a steady refill
+        return kernel_profile(lambda: gen._prefill(list(range(rows)), batch, [1] * rows), dev, title=title)
     finally:
         gen.done.fill_(True)
 
@@ -252,6 +270,12 @@ def main(argv=None) -> int:
                     figures, table = step_profile(gen, dev, f"{tp}: batch decode step, {B} rows, 10 calls, eager")
                     sec[f"profile_{B}{tag}"] = {k: round(v, 3) for k, v in figures.items()}
                     tables.append(table)
+                    if args.split:
+                        r = round(sec[f"split_{B}{tag}"]["rows_per_prefill"])
+                        figures, table = prefill_profile(gen, big or prompts, r, dev,
+                                                         f"{tp}: batch prefill of {r} rows, 10 calls, eager")
+                        sec[f"prefill_profile_{B}{tag}"] = {"rows": r, **{k: round(v, 3) for k, v in figures.items()}}
+                        tables.append(table)
                 failures = gen.native.report()["compile_failures"] if gen.native is not None else {}
                 if failures:  # it ran plain, slowly: say so
                     sec[f"compile_failures_{B}{tag}"] = {k: str(v)[:300] for k, v in failures.items()}

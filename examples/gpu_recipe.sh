@@ -16,6 +16,12 @@
 #           SAMPLES answers a prompt at TEMPERATURE, saved chunk by chunk
 #           under $OUT/train-chat/regenerated/), then TRAIN_STEPS × TRAIN_BATCH online
 #   curve   examples/learning_curve.py over $OUT/train-chat's milestones and final drafter
+#   goal    issue 21's goal figure: the final drafter on all of MT-bench's first turns (GOAL_SAMPLES × EVAL_NEW_TOKENS,
+#           depth DEPTH, floor beside it), once per dtype in GOAL_DTYPES (bf16; add fp32 for the token-for-token
+#           check: bf16's verify and 1-token step round differently), and the `more` stage's drafter when there is one
+#   more    (only when named) the final drafter trained on for MORE_STEPS more (--init-from, lr MORE_LR, on the train
+#           stage's answers, no regeneration) into $OUT/train-more; its MT-bench eval of the curve's size beside it.
+#           Does τ still rise with tokens on the same answers? (a warm restart, not one longer schedule)
 #   sweep   (only when named) examples/train_sweep.py: short runs over SWEEP_GRID (grids separated by ';', each
 #           varying the train stage's own lr / TTT / batch / grouping; their union, the base run once) on the answers
 #           the train stage regenerated, SWEEP_STEPS each at equal samples, ranked by held-out simulated τ (depth 3)
@@ -41,6 +47,7 @@
 #   samples, so both are on: BENCHMARKS.md)
 #   CHAT_STEPS=700 CHAT_BATCH=16 CHAT_CONVS=10520 CHAT_MAX_LEN=512
 #   EVAL_SAMPLES=10 EVAL_NEW_TOKENS=200 DEPTH=3 EXTRA_SETS=humaneval,mt-bench:math DEVICE=cuda
+#   GOAL_SAMPLES=80 GOAL_DTYPES=bf16 MORE_STEPS=900 MORE_LR=3e-4
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-./gpu-recipe}
@@ -62,10 +69,11 @@ CHAT_STEPS=${CHAT_STEPS:-700}; CHAT_BATCH=${CHAT_BATCH:-16}; CHAT_CONVS=${CHAT_C
 EVAL_SAMPLES=${EVAL_SAMPLES:-10}; EVAL_NEW_TOKENS=${EVAL_NEW_TOKENS:-200}; DEPTH=${DEPTH:-3}
 EXTRA_SETS=${EXTRA_SETS:-humaneval,mt-bench:math}; DEVICE=${DEVICE:-cuda}
 SWEEP_GRID=${SWEEP_GRID:-lr=3e-4,1e-3,3e-3}; SWEEP_STEPS=${SWEEP_STEPS:-150}
+GOAL_SAMPLES=${GOAL_SAMPLES:-80}; GOAL_DTYPES=${GOAL_DTYPES:-bf16}; MORE_STEPS=${MORE_STEPS:-900}; MORE_LR=${MORE_LR:-3e-4}
 STAGES=${1:-${STAGES:-all}}
 DRY_RUN=${DRY_RUN:-}
-ALL_STAGES="data chat train curve"
-OPT_STAGES="sweep repro"  # run only when named
+ALL_STAGES="data chat train curve goal"
+OPT_STAGES="more sweep repro"  # run only when named
 
 for s in ${STAGES//,/ }; do  # a typo must not silently run nothing
   case " all $ALL_STAGES $OPT_STAGES " in *" $s "*) ;; *)
@@ -120,6 +128,30 @@ if want curve; then
       --sets "mt-bench,held-out=$OUT/data/heldout.jsonl" --extra-sets "$EXTRA_SETS" --max-samples "$EVAL_SAMPLES" \
       --max-new-tokens "$EVAL_NEW_TOKENS" --depth "$DEPTH" --device "$DEVICE" --out "$OUT/curve"
   lap "curve"
+fi
+mt_bench_eval() {  # $1 drafter, $2 out, $3 prompts, $4 dtype: one eval on MT-bench's first turns (floor beside it)
+  if [ -f "$2/summary.json" ]; then echo "gpu_recipe: $2 exists, skipped"; else
+    run "$PY" -m draftport eval --target "$CHAT" --chat-template gemma --drafter "$1" --prompts mt-bench \
+        --max-samples "$3" --max-new-tokens "$EVAL_NEW_TOKENS" --depth "$DEPTH" --dtype "$4" --no-hf-baseline \
+        --device "$DEVICE" --out "$2"
+  fi
+}
+if named more; then
+  if [ -f "$OUT/train-more/summary.json" ]; then echo "gpu_recipe: train-more exists, skipped"; else
+    run "$PY" -m draftport train --target "$CHAT" --chat-template gemma --data "$OUT/train-chat/regenerated.jsonl" \
+        --init-from "$OUT/train-chat/final" --max-len "$MAX_LEN" --steps "$MORE_STEPS" --batch-size "$TRAIN_BATCH" \
+        --lr "$MORE_LR" --ttt-steps "$TTT" --group-by-length "$GROUP_BY_LENGTH" --save-every "$SAVE_EVERY" \
+        --device "$DEVICE" --out "$OUT/train-more"
+  fi
+  mt_bench_eval "$OUT/train-more/final" "$OUT/more/mt-bench-$EVAL_SAMPLES" "$EVAL_SAMPLES" bf16
+  lap "more"
+fi
+if want goal; then
+  for dt in ${GOAL_DTYPES//,/ }; do
+    mt_bench_eval "$OUT/train-chat/final" "$OUT/goal/final-$dt" "$GOAL_SAMPLES" "$dt"
+  done
+  [ -d "$OUT/train-more/final" ] && mt_bench_eval "$OUT/train-more/final" "$OUT/goal/more-bf16" "$GOAL_SAMPLES" bf16
+  lap "goal"
 fi
 if named sweep; then
   grids=(); IFS=';' read -ra parts <<< "$SWEEP_GRID"

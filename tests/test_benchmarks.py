@@ -122,8 +122,9 @@ def test_bench_generate_runs_both_engines_on_the_same_prompts(bench_path, tmp_pa
 
 def test_bench_generate_splits_the_time_and_profiles_the_batch_step(bench_path, tmp_path):
     """--split: the run's time split into prefill, decode steps and the host, the parts adding up to the whole
-    and the step count one per generated column; --profile: a kernel table per pass at the largest batch, and
-    the generator left idle (a later generate answers as before)."""
+    and the step count one per generated column, and the prefills counted with their rows; --profile: a kernel
+    table per pass at the largest batch of the decode step and, with --split, of a prefill as wide as the split's
+    mean refill, and the generator left idle (a later generate answers as before)."""
     import bench_generate
 
     from draftport.decode.batch import BatchConfig
@@ -146,9 +147,14 @@ def test_bench_generate_splits_the_time_and_profiles_the_batch_step(bench_path, 
     assert abs(s["prefill_s"] + s["decode_s"] + s["host_s"] - s["seconds"]) < 1e-2
     ce = BatchConfig().check_every  # steps run between two host looks, so the count comes in whole runs of them
     assert s["decode_steps"] % ce == 0 and ce <= s["decode_steps"] <= -(-5 // ce) * ce and s["ms_per_step"] > 0
+    # three prompts, four free rows: one prefill admits them all
+    assert s["prefills"] == 1 and s["rows_per_prefill"] == 3.0
+    assert abs(s["ms_per_prefill"] - 1e3 * s["prefill_s"]) < 1  # prefill_s is rounded to the ms
     assert g["profile_4"]["kernels_per_call"] == 0  # a CPU: the table ranks CPU ops, no kernels
+    assert g["prefill_profile_4"]["rows"] == 3 and g["prefill_profile_4"]["kernels_per_call"] == 0
     text = prof.read_text()
     assert text.startswith("## native: batch decode step, 4 rows, 10 calls, eager") and "aten::" in text
+    assert "## native: batch prefill of 3 rows, 10 calls, eager" in text
 
 
 def test_bench_generate_on_random_weights_needs_no_model_files(bench_path, tmp_path):

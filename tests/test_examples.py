@@ -373,7 +373,7 @@ def test_gpu_recipe_dry_run_commands_parse(tmp_path):
 
     env = dict(DRAFTPORT_PROMPTS="/d/prompts.jsonl", DRAFTPORT_CHAT_DATA="/d/chat.jsonl", DRAFTPORT_GGUF="/m/g.gguf")
     cmds = dry_run(tmp_path, "all", script="gpu_recipe.sh", **env)
-    assert [c.split()[0] for c in cmds[:2]] == ["head", "tail"] and len(cmds) == 5
+    assert [c.split()[0] for c in cmds[:2]] == ["head", "tail"] and len(cmds) == 6  # …, curve, goal
     # the data stage for real: the split files hold the prompts and nothing else
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"id": str(i), "turns": [f"q{i}"]}) + "\n" for i in range(5)))
@@ -402,6 +402,35 @@ def test_gpu_recipe_dry_run_commands_parse(tmp_path):
     with pytest.raises(SystemExit):  # an engine the tool does not have
         build_parser().parse_args(["train", "--regen-engine", "vllm"])
     assert dry_run(tmp_path, "curve", script="gpu_recipe.sh", **env)[0] == cmds[4]
+
+
+def test_gpu_recipe_goal_and_more_stages(tmp_path):
+    """`goal` (in `all`): the final drafter on all 80 MT-bench first turns, one eval per GOAL_DTYPES entry, the
+    depth and length of the curve's evals; `more` (named only): a warm start from the final drafter on the train
+    stage's answers (no regeneration), then its eval of the curve's size, and `goal` evaluates it too once it
+    exists. Every command through the CLI's parser."""
+    import shlex
+
+    from draftport.cli import build_parser
+
+    env = dict(DRAFTPORT_PROMPTS="/d/prompts.jsonl", DRAFTPORT_CHAT_DATA="/d/chat.jsonl", DRAFTPORT_GGUF="/m/g.gguf")
+    assert not any("train-more" in c for c in dry_run(tmp_path, "all", script="gpu_recipe.sh", **env))
+    cmds = dry_run(tmp_path, "more,goal", script="gpu_recipe.sh", **env, GOAL_DTYPES="bf16,fp32")
+    parsed = [build_parser().parse_args(shlex.split(c)[3:]) for c in cmds]
+    assert [a.verb for a in parsed] == ["train", "eval", "eval", "eval"]
+    more = parsed[0]
+    assert more.init_from.endswith("train-chat/final") and more.data.endswith("train-chat/regenerated.jsonl")
+    assert not more.regenerate and not more.aux_scale and (more.steps, more.lr) == (900, 3e-4)
+    assert more.out.endswith("/train-more") and more.group_by_length == 32
+    ev = parsed[1:]
+    assert [a.drafter.rsplit("/", 2)[-2] for a in ev] == ["train-more", "train-chat", "train-chat"]
+    assert [(a.max_samples, a.dtype) for a in ev] == [(10, "bf16"), (80, "bf16"), (80, "fp32")]
+    assert all(a.prompts == "mt-bench" and a.depth == 3 and a.max_new_tokens == 200 and a.chat_template == "gemma"
+               for a in ev)
+    # once the warm start's drafter exists, goal evaluates it beside the final one
+    (tmp_path / "floor" / "train-more" / "final").mkdir(parents=True)
+    again = dry_run(tmp_path, "goal", script="gpu_recipe.sh", **env)
+    assert len(again) == 2 and "train-more/final" in again[1] and again[1].endswith("goal/more-bf16")
 
 
 def test_gpu_recipe_repro_stage_builds_a_second_target_and_compares_floors(tmp_path):

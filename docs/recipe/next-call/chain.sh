@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# The study for a full budget (≈ 17 min of chain), detached (after pre.sh): chat target A alone → the recipe's
-# training (length-grouped batches, --aux-scale) to ≈ 20 M tokens, the early curve from its 10 M milestone beside
-# it → the final curve with HumanEval and the math set → the batch engine on the chat target against HF generate.
-# The twenty-first session measured the training at 86–104 k tok/s between its compiles (BENCHMARKS.md), so
-# 1,300 steps × 64 (≈ 20 M tokens) take ≈ 5–6 min. Regeneration runs `--regen-engine batch-flex` when pre.sh's CUDA
-# tests of the batch engine passed. Optional, by a file in /tmp/w: `repro` (build B beside the
-# training and compare both floors; passed bit for bit in the twenty-first session), `sweep` (random batches,
-# batch 32, a 4× wider drafter MLP, on the same answers). `stop` skips every tail stage; `skip_bench` the last one.
+# The study for a full budget (≈ 24 min of chain), detached (after pre.sh). First the twenty-second session's chain
+# again, unchanged, as issue 21's reproducibility check of a trained drafter (±0.1 τ asked): chat target A alone →
+# regeneration (batch-flex, 4 answers a prompt, when pre.sh's CUDA tests pass) → training to ≈ 20 M tokens (1,300
+# steps × 64, length-grouped, --aux-scale), the early curve from its 10 M milestone beside it → the final curve
+# with HumanEval and the math set. Then the goal stage (the final drafter on all 80 MT-bench first turns, bf16),
+# the `more` stage (900 more steps from the final drafter on the same answers, lr 3e-4) and its goal eval, and last
+# the batch engine on the chat target (flex, 512 and 1,024 rows, the prefill profiled). Files in /tmp/w steer it:
+# `env` (sourced), `stop` (skip every stage after the curve), `skip_more`, `skip_bench`, `repro` (chat target B
+# beside the training and both floors), `sweep` (+ `sweep_grid`, `sweep_steps`).
 set -u
 W=/tmp/w; cd $W/repo
 export PYTHONPATH=$W/site:$W/repo/src:$W/repo/benchmarks PYTHONUNBUFFERED=1 TERM=dumb
@@ -43,6 +44,10 @@ EARLY=$!
 wait $TRAIN; stamp "train rc=$?"
 wait $EARLY
 [ ! -f $W/stop ] && { bash examples/gpu_recipe.sh curve > $L/curve.log 2>&1; stamp "curve rc=$?"; }
+[ ! -f $W/stop ] && { bash examples/gpu_recipe.sh goal > $L/goal.log 2>&1; stamp "goal rc=$?"; }
+if [ ! -f $W/stop ] && [ ! -f $W/skip_more ]; then  # then goal once more: it evaluates the warm start's drafter
+  STAGES=more,goal bash examples/gpu_recipe.sh > $L/more.log 2>&1; stamp "more rc=$?"
+fi
 if [ ! -f $W/stop ] && [ -f $W/sweep ]; then
   GRID="group_by_length=0;batch_size=32;draft_intermediate_size=8192"; [ -f $W/sweep_grid ] && GRID=$(cat $W/sweep_grid)
   stamp "sweep: $GRID"; SWEEP_GRID="$GRID" SWEEP_STEPS=$(cat $W/sweep_steps 2>/dev/null || echo 100) bash examples/gpu_recipe.sh sweep > $L/sweep.log 2>&1
@@ -50,8 +55,9 @@ if [ ! -f $W/stop ] && [ -f $W/sweep ]; then
 fi
 if [ ! -f $W/stop ] && [ ! -f $W/skip_bench ]; then  # alone on the GPU: the regeneration figure on real answers
   timeout 300 python3 benchmarks/bench_generate.py --target $OUT/chat-target --chat-template gemma --prompts $W/data/prompts.jsonl \
-    --n 256 --big-n 2048 --batch-sizes 512 --hf-batch 256 --max-new-tokens 256 --max-len 768 --target-pass native \
-    --temperature 0.8 --samples 2 --split --out $R/bench-generate-chat.json > $L/bench-generate-chat.log 2>&1
+    --n 256 --big-n 2048 --batch-sizes 512,1024 --hf-batch 256 --max-new-tokens 256 --max-len 768 --target-pass native-flex \
+    --temperature 0.8 --samples 2 --split --profile $R/profile-generate-chat.txt --out $R/bench-generate-chat.json \
+    > $L/bench-generate-chat.log 2>&1
   stamp "bench-generate (chat target) rc=$?"
 fi
 [ -n "$REPRO" ] && wait $REPRO

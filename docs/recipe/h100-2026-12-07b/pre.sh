@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Before the chain, alone on the GPU, needing no GGUF (it runs as soon as call 1 lands, so its figures come back
+# even when the GGUF's later calls do not): the machine's record, the plain-decoder anchor, and the batch engine
+# against HF generate on random Gemma-3-270M-shape weights, greedy and sampled (T 0.8, 2 answers a prompt), each
+# split into prefill / decode / host. Checks two changes made after the twenty-first session's call: HF warmed up
+# at full width (its greedy run then took 74 ms a step and its sampled one 28), and the sampled pick fused into
+# one reduction (sampling.race_pick; prediction in BENCHMARKS.md: the sampled step ≤ 0.5 ms over the greedy one),
+# and `native-flex` beside `native`: the decode step's attention reading only each row's visible key blocks
+# (BatchConfig.decode_attention "flex"; prediction in BENCHMARKS.md). ≈ 5 min.
+W=/tmp/w; cd $W/repo
+export PYTHONPATH=$W/site:$W/repo/src:$W/repo/benchmarks PYTHONUNBUFFERED=1 TERM=dumb
+L=$W/logs; R=$W/res; mkdir -p $L $R
+echo "pre: start $(date -u +%T)"
+{ nvidia-smi; python3 -c 'import torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.get_device_name())'; } > $R/machine.txt 2>&1
+# the batch engine's CUDA equivalences first (graphed == eager == compiled == compiled flex, fp32): in the twenty-first
+# session the gemma3 case failed once after the llama one in the same process and passed alone (BENCHMARKS.md)
+timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/decode/test_batch.py -rA --tb=short > $R/gpu-tests-batch.txt 2>&1
+echo "pre: gpu tests rc=$? $(date -u +%T)"
+python3 $W/plain_decoder_step.py gemma_like > $R/anchor-gemma.json 2> $L/anchor.log; echo "pre: anchor rc=$? $(date -u +%T)"
+timeout 420 python3 benchmarks/bench_generate.py --target random:gemma-3-270m --n 256 --big-n 2048 --batch-sizes 512 \
+  --hf-batch 256 --max-new-tokens 256 --max-len 768 --target-pass native,native-flex --temperature 0.8 --samples 2 --split \
+  --profile $R/profile-generate-random.txt --out $R/bench-generate-random.json > $L/bench-generate-random.log 2>&1
+echo "pre: bench-generate (random weights) rc=$? $(date -u +%T)"
+touch $W/pre.done
