@@ -10,7 +10,8 @@ capture, kernel choice and the allocator's growth are not in it):
     batch_B   BatchGenerator with B rows, continuously refilled, for each B in --batch-sizes (with several
               --target-pass values, batch_B_<pass> for each; `native` compiles the decode step's layer halves
               on CUDA, `native-plain` runs them uncompiled: the before and after of BatchConfig.compile_decode;
-              `native-flex` is `native` with BatchConfig.decode_attention "flex")
+              `native-flex` is `native` with BatchConfig.decode_attention "flex"; a `-cp` suffix adds
+              BatchConfig.compile_prefill, e.g. `native-flex-cp`)
     big_B     the largest B over --big-n prompts (more prompts than rows: refill in steady state)
 
     split_B   (--split) the steady-state prompts (--big-n, else the --n ones) once more at the largest B, one
@@ -71,7 +72,8 @@ def parse_args(argv=None):
     p.add_argument("--target-pass", default="auto",
                    help="batch engine's target forward, comma-separated to time several side by side: auto, hf, native "
                         "(decode step compiled on CUDA), native-plain (not compiled), native-flex (compiled, flex "
-                        "decode attention: each row reads only its visible key blocks)")
+                        "decode attention: each row reads only its visible key blocks); a -cp suffix compiles the "
+                        "prefill too (native-cp, native-flex-cp)")
     p.add_argument("--split", action="store_true",
                    help="largest batch, each mode: one more run of the prompts with its time split into prefill, "
                         "decode steps (ms a step) and the host's share")
@@ -196,6 +198,20 @@ def keep_partial(res: dict, tables: list[str], args) -> None:
         write_atomic(args.profile, "\n\n".join(tables))
 
 
+PASS_OPTIONS = ("plain", "flex", "cp")  # --target-pass suffixes: <pass>[-plain|-flex][-cp]
+
+
+def batch_config(name: str, B: int, max_len: int, temperature: float) -> BatchConfig:
+    """The batch engine a --target-pass name asks for: the pass, then options (plain: the decode step not compiled;
+    flex: flex decode attention; cp: the prefill compiled)."""
+    base, *opts = name.split("-")
+    if any(o not in PASS_OPTIONS for o in opts):
+        raise SystemExit(f"--target-pass {name!r}: options after the pass are {', '.join(PASS_OPTIONS)}")
+    return BatchConfig(batch_size=B, max_len=max_len, temperature=temperature, seed=1, target_pass=base,
+                       compile_decode=False if "plain" in opts else None,
+                       decode_attention="flex" if "flex" in opts else "dense", compile_prefill="cp" in opts)
+
+
 def run_hf(target, prompts, args, stops, temperature, samples):
     rows = []
     expanded = [p for p in prompts for _ in range(samples)]
@@ -206,7 +222,14 @@ def run_hf(target, prompts, args, stops, temperature, samples):
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
+    # each batch size timed as regeneration runs it, alone in its process: the decode step's layer halves compiled
+    # for that B's static shapes. By default Dynamo would recompile them for a symbolic batch at the second size,
+    # and flex attention picks its decode kernel only for a static batch
+    with torch._dynamo.config.patch(automatic_dynamic_shapes=False):
+        return measure(parse_args(argv))
+
+
+def measure(args) -> int:
     dev = torch.device(args.device)
     dtype = args.dtype or ("bf16" if dev.type == "cuda" else "fp32")
     if args.target.startswith("random:"):
@@ -224,6 +247,7 @@ def main(argv=None) -> int:
         big = first_turn_prompts(target, args.prompts, args.big_n, template, args.max_len) if args.big_n else []
         warm = first_turn_prompts(target, args.prompts, 16, template, args.max_len, offset=len(prompts) * 4 + 16)
     sizes = [int(b) for b in args.batch_sizes.split(",")]
+
     passes = [t.strip() for t in args.target_pass.split(",") if t.strip()]
     res = {"bench": "generate", "target": args.target, "device": torch.cuda.get_device_name(0) if dev.type == "cuda"
            else platform.processor() or "cpu", "dtype": dtype, "torch": torch.__version__,
@@ -244,10 +268,7 @@ def main(argv=None) -> int:
         for tp in passes:
             tag = "" if len(passes) == 1 else f"_{tp}"  # one pass keeps the keys earlier results used
             for B in sizes:
-                gen = BatchGenerator(target, BatchConfig(batch_size=B, max_len=args.max_len, temperature=temp, seed=1,
-                                                         target_pass=tp.removesuffix("-plain").removesuffix("-flex"),
-                                                         compile_decode=False if tp.endswith("-plain") else None,
-                                                         decode_attention="flex" if tp.endswith("-flex") else "dense"))
+                gen = BatchGenerator(target, batch_config(tp, B, args.max_len, temp))
                 # captures the graph; full width and length, so the refills' prefill shapes are warm too
                 gen.generate(widen(warm or prompts, B), args.max_new_tokens, stop_ids=stops)
                 key = f"batch_{B}{tag}"

@@ -105,18 +105,24 @@ def test_bench_generate_runs_both_engines_on_the_same_prompts(bench_path, tmp_pa
     assert bench_generate.main(["--target", str(tmp_path / "target"), "--prompts", str(prompts), "--n", "4",
                                 "--big-n", "6", "--batch-sizes", "2,4", "--hf-batch", "2", "--max-new-tokens", "6",
                                 "--max-len", "64", "--device", "cpu",
-                                "--target-pass", "hf,native,native-plain,native-flex",
+                                "--target-pass", "hf,native,native-plain,native-flex,native-flex-cp",
                                 "--out", str(out)]) == 0
     r = _last_json(out)
     greedy = r["greedy"]
     assert greedy["hf"]["tok_s"] > 0  # HF generate, the anchor of the same run
-    # native-plain: the decode step uncompiled (the same on a CPU); native-flex: flex decode attention
-    passes = ("hf", "native", "native-plain", "native-flex")
+    # native-plain: the decode step uncompiled (the same on a CPU); native-flex: flex decode attention; -cp: the
+    # prefill compiled (CUDA only: the same as native-flex here)
+    passes = ("hf", "native", "native-plain", "native-flex", "native-flex-cp")
     for tp in passes:  # the batch engine per target pass, each batch size, and the refill run
         assert all(greedy[f"{run}_{tp}"]["tokens"] > 0 for run in ("batch_2", "batch_4", "big_4"))
         assert f"identical_to_hf_{tp}" in greedy
-    same = {greedy[f"identical_to_hf_{tp}"] for tp in ("native", "native-plain", "native-flex")}
+    same = {greedy[f"identical_to_hf_{tp}"] for tp in passes[1:]}
     assert len(same) == 1
+    cfg = bench_generate.batch_config("native-flex-cp", 8, 64, 0.0)
+    assert (cfg.target_pass, cfg.decode_attention, cfg.compile_prefill, cfg.compile_decode) == ("native", "flex", True, None)
+    assert bench_generate.batch_config("native-plain", 8, 64, 0.0).compile_decode is False
+    with pytest.raises(SystemExit, match="options after the pass"):
+        bench_generate.batch_config("native-fast", 8, 64, 0.0)
     assert all(r["sampled"][f"big_4_{tp}"]["answers"] > 6 for tp in passes)  # several answers a prompt
 
 

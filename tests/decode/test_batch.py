@@ -3,8 +3,8 @@
 Equivalences (fp32, greedy): BatchGenerator == the batch-1 engine (SpecEngine without a drafter) and
 == HF greedy `generate`, for prompts of different lengths sharing the cache, rows finishing at
 different times (stop ids, token limits) and refilled, prompts prefilled in pieces, on a tiny Llama and
-a tiny Gemma-3 whose sliding window (8) is shorter than the prompts. Sampling reproduces for a seed
-and differs across samples. The decode step's compiled layer halves == the plain ones (traced on the CPU; compiled
+a tiny Gemma-3 whose sliding window (8) is shorter than the prompts, through the native pass and HF's modules.
+Sampling reproduces for a seed and differs across samples. The prefill's compiled twins == the plain prefill. The decode step's compiled layer halves == the plain ones (traced on the CPU; compiled
 by Inductor on CUDA), and its flex decode attention (each row's visible key blocks only) == the dense one. On
 CUDA: graphed == eager, and a bf16 batch-128 smoke run.
 """
@@ -114,6 +114,58 @@ def test_compiled_decode_step_equals_plain(family):
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_prefill_over_its_own_keys_equals_hf_modules(targets, family):
+    """A forward of first pieces attends over its own keys only ([b, 1, T, T] masks, the keys written in place);
+    later pieces over the rows' whole cache. Through the native pass and through HF's own modules (whose attention
+    reads what the cache's update returns and the mask as given) the tokens are the batch-1 engine's, with
+    prompts in one piece, in several, and refills; and the fresh prefill's K/V in the cache are the ones a plain
+    HF forward of the prompt computes."""
+    t = targets[family]
+    prompts = _prompts(seed=13)
+    ref = _engine_refs(t, prompts)
+    for tp in ("native", "hf"):
+        for budget in (16, 4096):  # pieces of 16 (later pieces read the cache), or every prompt whole
+            gen = BatchGenerator(t, BatchConfig(batch_size=3, max_len=128, check_every=4, prefill_tokens=budget,
+                                                target_pass=tp))
+            assert gen.generate(prompts, NEW) == ref, (tp, budget)
+    gen = BatchGenerator(t, BatchConfig(batch_size=3, max_len=128, prefill_tokens=4096))
+    p = prompts[5]
+    gen._prefill([1], [torch.tensor(p)], [1])
+    with torch.no_grad():
+        hf = t.model(torch.tensor([p]), use_cache=True).past_key_values
+    for i in (0, len(gen.cache.layers) - 1):
+        k_hf = hf.layers[i].keys[0] if hasattr(hf, "layers") else hf.key_cache[i][0]
+        n = k_hf.shape[1]  # HF's sliding layers keep only the window's last tokens
+        torch.testing.assert_close(gen.cache.layers[i].keys[1, :, len(p) - n:len(p)], k_hf, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_compiled_prefill_equals_plain(family):
+    """compile_prefill (opt-in, CUDA): a prefill runs the layer halves' dynamic-shape twins (native.PREFILL_SCOPE),
+    and the tokens are the plain prefill's, with refills of different widths and lengths, pieces and stop ids.
+    Traced here with the "eager" backend and fullgraph; the decode step's scope stays as it was (not compiled)."""
+    t = tiny_target(family)
+    prompts = _prompts(seed=17)
+    cfg = BatchConfig(batch_size=3, max_len=128, check_every=4, prefill_tokens=16)
+    plain = BatchGenerator(t, cfg)
+    assert plain.prefill_scope is False  # the default
+    ref = plain.generate(prompts, NEW)
+    stop = ref[0][2]
+    ref_stop = plain.generate(prompts, NEW, stop_ids=[stop])
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    gen = BatchGenerator(t, cfg)
+    gen.native.enable_compile("prefill", backend="eager", fullgraph=True)
+    gen.prefill_scope = "prefill"
+    assert gen.generate(prompts, NEW) == ref
+    assert gen.generate(prompts, NEW, stop_ids=[stop]) == ref_stop
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 3
+    rep = gen.native.report()
+    assert rep["compiled_scopes"] == ["prefill"] and rep["compile_failures"] == {}
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
 def test_flex_decode_attention_equals_dense(family):
     """decode_attention "flex" (each row reads only the key blocks it can see) gives the dense step's tokens, greedy
     and sampled, with refills and stop ids; blocks of 8 slots so rows skip blocks (and the tiny Gemma-3's window of 8
@@ -181,6 +233,8 @@ def test_bad_input_is_one_line(targets):
     with pytest.raises(DraftportError, match="native target pass"):
         BatchGenerator(targets["llama"], BatchConfig(batch_size=2, max_len=16, target_pass="hf",
                                                      decode_attention="flex"))
+    with pytest.raises(DraftportError, match="compile_prefill needs the native target pass"):
+        BatchGenerator(targets["llama"], BatchConfig(batch_size=2, max_len=16, target_pass="hf", compile_prefill=True))
 
 
 @pytest.mark.gpu
@@ -197,7 +251,9 @@ def test_cuda_graphed_equals_eager_and_compiled_equals_plain(family):
     variants = {"eager": dict(use_cuda_graphs=False, compile_decode=False),
                 "graphed": dict(use_cuda_graphs=True, compile_decode=False),
                 "graphed, compiled": dict(use_cuda_graphs=True),
-                "graphed, compiled, flex": dict(use_cuda_graphs=True, decode_attention="flex", flex_block=16)}
+                "graphed, compiled, flex": dict(use_cuda_graphs=True, decode_attention="flex", flex_block=16),
+                "graphed, compiled, flex, compiled prefill": dict(use_cuda_graphs=True, decode_attention="flex",
+                                                                  flex_block=16, compile_prefill=True)}
     outs = {}
     for name, kw in variants.items():
         for temp in (0.0, 0.8):
@@ -206,11 +262,12 @@ def test_cuda_graphed_equals_eager_and_compiled_equals_plain(family):
             outs[name, temp] = [gen.generate(prompts, NEW, samples_per_prompt=2, seed=1) for _ in range(2)]
             assert (gen.graph is not None) == kw["use_cuda_graphs"]
             assert bool(gen.decode_scope) == ("compiled" in name)
+            assert bool(gen.prefill_scope) == ("compiled prefill" in name)
             assert gen.native.report()["compile_failures"] == {}
             assert outs[name, temp][0] == outs[name, temp][1]
     for temp in (0.0, 0.8):
         assert (outs["eager", temp] == outs["graphed", temp] == outs["graphed, compiled", temp]
-                == outs["graphed, compiled, flex", temp])
+                == outs["graphed, compiled, flex", temp] == outs["graphed, compiled, flex, compiled prefill", temp])
     ref = _engine_refs(t, prompts)
     assert outs["graphed", 0.0][0][::2] == ref
 

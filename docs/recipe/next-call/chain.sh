@@ -4,10 +4,10 @@
 # regeneration (batch-flex, 4 answers a prompt, when pre.sh's CUDA tests pass) → training to ≈ 20 M tokens (1,300
 # steps × 64, length-grouped, --aux-scale), the early curve from its 10 M milestone beside it → the final curve
 # with HumanEval and the math set. Then the goal stage (the final drafter on all 80 MT-bench first turns, bf16),
-# the `more` stage (900 more steps from the final drafter on the same answers, lr 3e-4) and its goal eval, and last
-# the batch engine on the chat target (flex, 512 and 1,024 rows, the prefill profiled). Files in /tmp/w steer it:
-# `env` (sourced), `stop` (skip every stage after the curve), `skip_more`, `skip_bench`, `repro` (chat target B
-# beside the training and both floors), `sweep` (+ `sweep_grid`, `sweep_steps`).
+# the `more` stage (900 more steps from the final drafter on the same answers, lr 3e-4) and its goal eval. Files in
+# /tmp/w steer it: `env` (sourced), `stop` (skip every stage after the curve), `skip_more`, `bench_chat` (last, the
+# batch engine on the chat target: flex with the prefill plain and compiled, 512 and 1,024 rows, ≈ 4 min), `repro`
+# (chat target B beside the training and both floors), `sweep` (+ `sweep_grid`, `sweep_steps`).
 set -u
 W=/tmp/w; cd $W/repo
 export PYTHONPATH=$W/site:$W/repo/src:$W/repo/benchmarks PYTHONUNBUFFERED=1 TERM=dumb
@@ -53,9 +53,9 @@ if [ ! -f $W/stop ] && [ -f $W/sweep ]; then
   stamp "sweep: $GRID"; SWEEP_GRID="$GRID" SWEEP_STEPS=$(cat $W/sweep_steps 2>/dev/null || echo 100) bash examples/gpu_recipe.sh sweep > $L/sweep.log 2>&1
   stamp "sweep rc=$?"
 fi
-if [ ! -f $W/stop ] && [ ! -f $W/skip_bench ]; then  # alone on the GPU: the regeneration figure on real answers
+if [ ! -f $W/stop ] && [ -f $W/bench_chat ]; then  # alone on the GPU: the regeneration figure on real answers
   timeout 300 python3 benchmarks/bench_generate.py --target $OUT/chat-target --chat-template gemma --prompts $W/data/prompts.jsonl \
-    --n 256 --big-n 2048 --batch-sizes 512,1024 --hf-batch 256 --max-new-tokens 256 --max-len 768 --target-pass native-flex \
+    --n 256 --big-n 2048 --batch-sizes 512,1024 --hf-batch 256 --max-new-tokens 256 --max-len 768 --target-pass native-flex,native-flex-cp \
     --temperature 0.8 --samples 2 --split --profile $R/profile-generate-chat.txt --out $R/bench-generate-chat.json \
     > $L/bench-generate-chat.log 2>&1
   stamp "bench-generate (chat target) rc=$?"

@@ -7,9 +7,12 @@ positions and needs a mask over the pad; here nothing shifts). Each forward pass
 position_ids and a per-row 4D mask (slot j visible to a query at position p iff j <= p, and p - j <
 window on sliding layers), built the same way as decode/engine.py's masks.
 
-    prefill  new rows' prompts, eagerly, several rows a forward (right-padded to the longest piece,
-             at most cfg.prefill_tokens query tokens a forward; a longer prompt goes in pieces); the pad
-             tail writes slots that the row's decode overwrites before any query can see them;
+    prefill  new rows' prompts, several rows a forward (right-padded to the longest piece, at most
+             cfg.prefill_tokens query tokens a forward; a longer prompt goes in pieces); the pad tail writes
+             slots that the row's decode overwrites before any query can see them. A forward of first pieces
+             (every prompt from slot 0, the usual case) attends over its own keys alone, [b, T] by [b, T],
+             and writes them into the rows' slots; a later piece attends over its rows' whole cache. Plain
+             by default; cfg.compile_prefill runs the layer halves compiled for dynamic shapes;
     decode   one token for all B rows a step, captured as one CUDA graph on CUDA (eager on the CPU,
              the same function): the step writes each active row's token into an on-device output
              buffer, counts it and flags the row done on a stop id or its token limit, so the host
@@ -41,7 +44,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from draftport.decode import sampling
 from draftport.decode.graphs import attention_layout
 from draftport.errors import DraftportError
-from draftport.model.native import check_target_pass, choose_target_pass, native_decoder
+from draftport.model.native import PREFILL_SCOPE, check_target_pass, choose_target_pass, native_decoder
 
 MAX_STOP_IDS = 64  # stop ids a call may name (a fixed-size device buffer the graph compares against)
 DECODE_ATTENTION = ("dense", "flex")
@@ -66,6 +69,9 @@ class BatchConfig:
                                    # a block mask made from the rows' positions each step). Native pass only; on
                                    # CUDA compiled only (eager flex is the slow reference implementation)
     flex_block: int = 128          # key slots a flex block holds ("flex" skips whole blocks)
+    compile_prefill: bool = False  # the native prefill's layer halves under torch.compile with dynamic shapes
+                                   # (every refill has its own rows × length), apart from the decode step's
+                                   # (native.PREFILL_SCOPE); CUDA only, like compile_decode. Opt-in until measured
 
     def checked(self) -> "BatchConfig":
         if self.batch_size < 1 or self.max_len < 2 or self.check_every < 1 or self.prefill_tokens < 1:
@@ -86,7 +92,9 @@ class BatchConfig:
 class _RowLayer(CacheLayerMixin):
     """One layer's K/V [B, Hkv, S, D]. `update` writes the new keys [b, Hkv, T, D] at the owner's
     per-row `slots` [b, T], into all rows (owner.rows None: the decode step) or into rows
-    owner.rows [b] (a prefill), and returns those rows' whole buffers (the 4D mask does the rest)."""
+    owner.rows [b] (a prefill), and returns those rows' whole buffers (the 4D mask does the rest); a fresh
+    prefill (owner.fresh: every row's piece starts at slot 0) returns the new keys alone, since its queries
+    can see no other."""
 
     is_compileable = True
     is_sliding = False  # sliding windows live in the mask, as in decode/graphs.py
@@ -110,6 +118,11 @@ class _RowLayer(CacheLayerMixin):
             self.keys.scatter_(2, idx.expand_as(key_states), key_states)
             self.values.scatter_(2, idx.expand_as(value_states), value_states)
             return self.keys, self.values
+        if self.owner.fresh:  # written in place: no copy of the rows' whole buffers out and back
+            at = (rows[:, None], slice(None), slots)                         # → [b, T, Hkv, D]
+            self.keys[at] = key_states.transpose(1, 2)
+            self.values[at] = value_states.transpose(1, 2)
+            return key_states, value_states
         k, v = self.keys.index_select(0, rows), self.values.index_select(0, rows)
         k.scatter_(2, idx.expand_as(key_states), key_states)
         v.scatter_(2, idx.expand_as(value_states), value_states)
@@ -132,18 +145,21 @@ class RowCache(Cache):
         self.batch, self.max_len = batch, max_len
         self.slots: torch.Tensor | None = None  # [b, T] int64, set before each forward
         self.rows: torch.Tensor | None = None   # [b] int64 rows of a prefill; None = all B rows
+        self.fresh = False                      # a prefill of first pieces: attend over the new keys alone
         super().__init__(layers=[_RowLayer(self) for _ in range(num_layers)])
 
 
-def row_masks(qpos: torch.Tensor, S: int, layer_types, windows, dtype) -> dict[str, torch.Tensor]:
+def row_masks(qpos: torch.Tensor, S: int, layer_types, windows, dtype,
+              kpos: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """{layer type: additive mask [b, 1, T, S]} for queries at positions qpos [b, T] over a cache whose
-    slot j holds position j: causal, plus the sliding window on sliding layers."""
-    ar = torch.arange(S, device=qpos.device)
-    allowed = ar[None, None, :] <= qpos[:, :, None]                      # [b, T, S]
+    slot j holds position j: causal, plus the sliding window on sliding layers. kpos [b, K]: the keys'
+    positions instead of the S slots (a fresh prefill's own keys: [b, 1, T, T])."""
+    keys = torch.arange(S, device=qpos.device)[None, None, :] if kpos is None else kpos[:, None, :]
+    allowed = keys <= qpos[:, :, None]                                   # [b, T, S or K]
     neg = torch.finfo(dtype).min
     masks = {}
     for kind, window in zip(layer_types, windows):
-        ok = allowed if window is None else allowed & (qpos[:, :, None] - ar[None, None, :] < window)
+        ok = allowed if window is None else allowed & (qpos[:, :, None] - keys < window)
         masks[kind] = torch.zeros(ok.shape, dtype=dtype, device=qpos.device).masked_fill(~ok, neg)[:, None]
     return masks
 
@@ -235,6 +251,14 @@ class BatchGenerator:
         self.decode_scope: str | bool = "layer" if compiled else False  # what the decode step's forward runs
         self.native = (native_decoder(model, positions=S, compile=self.decode_scope)
                        if self.target_pass_kind == "native" else None)
+        # what a prefill's forward runs: the plain halves, or (compile_prefill) their dynamic-shape compiled twins
+        self.prefill_scope: str | bool = False
+        if self.cfg.compile_prefill:
+            if self.native is None:
+                raise DraftportError("compile_prefill needs the native target pass (this target runs HF's)")
+            if self.device.type == "cuda":
+                self.native.enable_compile(PREFILL_SCOPE)
+                self.prefill_scope = PREFILL_SCOPE
         dev, long = self.device, torch.long
         self.gen = torch.Generator(device=dev)
         # decode state, updated in place by the step (static buffers for the graph)
@@ -350,7 +374,14 @@ class BatchGenerator:
                 # holds a token a query reads (a row stops before its cache is full)
                 qpos[g] = (s + t).clamp(max=self.S - 1)
             rws = torch.tensor([rows[i] for i, _, _ in group], dtype=torch.long, device=dev)
-            h = self._forward(ids, qpos, rws)
+            # first pieces see only their own keys: attention over T keys, not the rows' S slots
+            fresh = all(s == 0 for _, s, _ in group)
+            masks = row_masks(qpos, self.S, self._layer_types, self._windows, self.dtype, qpos if fresh else None)
+            self.cache.fresh = fresh
+            try:
+                h = self._forward(ids, qpos, rws, self.prefill_scope, masks)
+            finally:
+                self.cache.fresh = False
             for g, (i, s, e) in enumerate(group):
                 if e == lengths[i]:
                     last_h[i] = h[g, e - s - 1]

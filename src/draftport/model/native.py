@@ -60,6 +60,9 @@ FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text":
 _DYNAMIC_ROPE = ("dynamic", "longrope")
 TARGET_PASSES = ("auto", "hf", "native")  # EngineConfig.target_pass, BatchConfig.target_pass, --target-pass
 SCOPES = ("layer", "whole")  # what enable_compile compiles: each layer's two halves, or the whole pass
+# enable_compile's third scope, for the batch engine's prefills only: the layer halves under names of their own
+# (prefill_attn_in, …), compiled for dynamic shapes
+PREFILL_SCOPE = "prefill"
 
 
 def check_target_pass(value: str) -> None:
@@ -256,6 +259,22 @@ def attn_out_mlp(x, a, wo, bo, ln_a, ln_b, ln_c, wgu, bgu, wdown, bdown, rows: i
     return x + m
 
 
+# The layer halves again, for the batch engine's prefills (enable_compile(PREFILL_SCOPE)). Why separate functions:
+# Dynamo keeps compiled code on a function's code object, shared by every torch.compile of that function. A
+# prefill has new [b, T] shapes at every refill, so it is compiled for dynamic shapes; under its own code objects
+# those entries never replace or outnumber the static ones the decode step and the single-sequence engine use.
+def prefill_attn_in(*args, **kwargs):
+    return attn_in(*args, **kwargs)
+
+
+def prefill_attend(*args, **kwargs):
+    return attend(*args, **kwargs)
+
+
+def prefill_attn_out_mlp(*args, **kwargs):
+    return attn_out_mlp(*args, **kwargs)
+
+
 # ---------------------------------------------------------------------------------------------
 # Weights
 # ---------------------------------------------------------------------------------------------
@@ -434,11 +453,21 @@ class NativeDecoder:
         warning (fusion._FallBack). backend / fullgraph: tests trace on the CPU with backend "eager"."""
         from draftport.model.fusion import _FallBack, raise_recompile_limit
 
-        if scope not in SCOPES:
-            raise ValueError(f"compile scope must be one of {', '.join(SCOPES)} (got {scope!r})")
+        if scope not in SCOPES + (PREFILL_SCOPE,):
+            raise ValueError(f"compile scope must be one of {', '.join(SCOPES + (PREFILL_SCOPE,))} (got {scope!r})")
         if self.compiled_scope(scope):
             return
         raise_recompile_limit(64)  # T = 1, verify widths, prefill lengths (dims go symbolic after a change)
+        if scope == PREFILL_SCOPE:  # the plain functions' own arguments, through the prefill's code objects
+            wrappers = (prefill_attn_in, prefill_attend, prefill_attn_out_mlp)
+            fns = []
+            for plain, wrap in zip(self._fns[False], wrappers):
+                fn = functools.partial(wrap, **plain.keywords) if isinstance(plain, functools.partial) else wrap
+                c = _FallBack(fn, torch.compile(fn, dynamic=True, backend=backend, fullgraph=fullgraph))
+                c.__name__ = wrap.__name__
+                fns.append(c)
+            self._fns[PREFILL_SCOPE] = tuple(fns)
+            return
         if scope == "whole":
             plain = functools.partial(self._body, fns=self._fns[False])
             self._whole = _FallBack(plain, torch.compile(plain, dynamic=None, backend=backend, fullgraph=fullgraph))
@@ -454,6 +483,8 @@ class NativeDecoder:
         self._fns[True] = tuple(fns)
 
     def compiled_scope(self, scope: str) -> bool:
+        if scope == PREFILL_SCOPE:
+            return PREFILL_SCOPE in self._fns
         return self._whole is not None if scope == "whole" else True in self._fns
 
     @property
@@ -462,10 +493,11 @@ class NativeDecoder:
         return True in self._fns or self._whole is not None
 
     def report(self) -> dict:
-        fns = list(self._fns.get(True, ())) + ([self._whole] if self._whole is not None else [])
+        fns = (list(self._fns.get(True, ())) + list(self._fns.get(PREFILL_SCOPE, ()))
+               + ([self._whole] if self._whole is not None else []))
         fails = {f.__name__: f.failed for f in fns if f.failed}
         return {"family": self.family, "layers": self.num_layers, "compiled": self.compiled,
-                "compiled_scopes": [sc for sc in SCOPES if self.compiled_scope(sc)],
+                "compiled_scopes": [sc for sc in SCOPES + (PREFILL_SCOPE,) if self.compiled_scope(sc)],
                 "rope_positions": self.positions, "compile_failures": fails}
 
     def calls_sdpa(self, T: int) -> bool:
@@ -484,16 +516,17 @@ class NativeDecoder:
     def forward(self, ids: torch.Tensor, pos: torch.Tensor, masks, cache, aux_layers: Sequence[int] = (),
                 logits: str | None = "all", compiled: bool | str = False, invariant: bool = False) -> NativeOutput:
         """logits: "all" (every row), "last" (the last row only) or None (hidden states only); compiled: False
-        (plain), "layer" (or True: the compiled layer halves) or "whole" (the whole pass as one compiled
-        region); a scope not enabled (enable_compile) runs plain. invariant: a row's attention does not depend
-        on how many tokens the pass holds (`attend`)."""
+        (plain), "layer" (or True: the compiled layer halves), "whole" (the whole pass as one compiled region) or
+        "prefill" (the layer halves compiled for dynamic shapes); a scope not enabled (enable_compile) runs plain.
+        invariant: a row's attention does not depend on how many tokens the pass holds (`attend`)."""
         scope = SCOPES[0] if compiled is True else (compiled or None)
         aux_layers = tuple(int(i) for i in aux_layers)
         if scope == "whole" and self._whole is not None:
             out = self._whole(ids, pos, masks, cache, aux_layers, logits, invariant)
         else:
+            key = True if scope == "layer" else scope
             out = self._body(ids, pos, masks, cache, aux_layers, logits, invariant,
-                             self._fns.get(scope == "layer", self._fns[False]))
+                             self._fns.get(key, self._fns[False]))
         return NativeOutput(*out)
 
     def _body(self, ids, pos, masks, cache, aux_layers: tuple, logits, invariant: bool, fns):
