@@ -273,3 +273,26 @@ def test_bench_match_compares_every_pass_on_the_same_prompts(bench_path, tmp_pat
     with pytest.raises(SystemExit) as e:
         bench_match.parse_args(["--target", "x", "--passes", "native,fast"])
     assert e.value.code == 2
+
+
+def test_bench_tokenize_batched_equals_one_by_one(bench_path, tmp_path):
+    """bench_tokenize: the batched tokenizing step and one call a conversation give the same ids and masks (the
+    exit code says so), on conversations of several turns."""
+    import bench_tokenize
+
+    from draftport.model.target import tiny_target
+
+    t = tiny_target("llama", seed=0)
+    t.model.save_pretrained(tmp_path / "target")
+    t.tokenizer.save_pretrained(tmp_path / "target")
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps({"id": str(i), "messages": [
+        {"role": "user", "content": f"Question {i}?"}, {"role": "assistant", "content": f"Answer {i}, at length."},
+        {"role": "user", "content": "And then?"}, {"role": "assistant", "content": "Then more " * i}]}) + "\n"
+        for i in range(7)))
+    out = tmp_path / "tok.json"
+    assert bench_tokenize.main(["--target", str(tmp_path / "target"), "--data", str(data), "--chat-template", "llama3",
+                                "--n", "5", "--max-len", "400", "--out", str(out)]) == 0
+    r = _last_json(out)
+    assert r["identical"] and r["conversations"] == 5 and r["skipped"] == 0 and r["tokens"] > 0
+    assert r["batched_conv_s"] > 0

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from draftport.data.chat import (CHAT_TEMPLATES, encode_prompt, render_segments, stop_token_ids,
-                                 tokenize_conversation)
+                                 tokenize_conversation, tokenize_conversations)
 from draftport.data.conversations import (Conversation, LoadStats, iter_json_array, load_conversations, load_prompts,
                                           save_conversations, split_train_val)
 from draftport.train.regenerate import regenerate
@@ -179,6 +179,25 @@ def test_masked_tokens_are_exactly_the_assistant_turns(name):
     assert tok.decode(ids) == text  # nothing lost or added between segments
     short, short_mask = tokenize_conversation(tok, CONV, name, max_len=17)
     assert torch.equal(short, ids[:17]) and torch.equal(short_mask, mask[:17])
+
+
+@pytest.mark.parametrize("name", [None, "gemma", "llama3", "plain", "qwen"])
+def test_many_conversations_at_once_equal_one_by_one(name):
+    """tokenize_conversations (one tokenizer call for a batch of conversations, as train and capture tokenize
+    regenerated answers) gives each conversation tokenize_conversation's ids and mask, truncated alike, across
+    batch edges, with the tokenizer's own template (None) and named ones (bos slots included)."""
+    tok = tiny_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tok.chat_template = CHATML_JINJA
+    convs = [CONV, Conversation(messages=CONV.messages[1:3]), Conversation(messages=CONV.messages[:3]),
+             Conversation(messages=[{"role": "user", "content": ""}, {"role": "assistant", "content": "x"}])] * 2
+    for max_len in (None, 9):
+        many = tokenize_conversations(tok, convs, name, max_len=max_len, batch=3)
+        assert len(many) == len(convs)
+        for conv, (ids, mask) in zip(convs, many):
+            ref_ids, ref_mask = tokenize_conversation(tok, conv, name, max_len=max_len)
+            assert ids == ref_ids.tolist() and mask == ref_mask.tolist()
+    assert tokenize_conversations(tok, [], name) == []
 
 
 def test_end_marker_is_one_trained_special_token():

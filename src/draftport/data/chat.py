@@ -142,20 +142,29 @@ def render_segments(tokenizer, messages: list[dict], chat_template=None, add_gen
     return _named_segments(t, messages, add_generation_prompt)
 
 
-def _encode_segments(tokenizer, segs: list[tuple[str, bool]]) -> tuple[list[int], list[bool]]:
-    ids: list[int] = []
-    mask: list[bool] = []
-    texts = [s for s, _ in segs]
-    bos_slots = [i for i, s in enumerate(texts) if s == "{bos}"]
-    for i in bos_slots:
-        texts[i] = ""
+def _encode_many(tokenizer, many: list[list[tuple[str, bool]]]) -> list[tuple[list[int], list[bool]]]:
+    """[(ids, mask)] for several conversations' segments, through one tokenizer call: a fast tokenizer encodes a
+    batch on all cores, and the Python cost of a call is paid once, not once a conversation. A "{bos}" segment is
+    the tokenizer's BOS id (nothing when it has none)."""
+    texts = [s if s != "{bos}" else "" for segs in many for s, _ in segs]
     encoded = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
-    for i, ((_, trained), toks) in enumerate(zip(segs, encoded)):
-        if i in bos_slots and tokenizer.bos_token_id is not None:
-            toks = [tokenizer.bos_token_id]
-        ids += toks
-        mask += [trained] * len(toks)
-    return ids, mask
+    out, k = [], 0
+    for segs in many:
+        ids: list[int] = []
+        mask: list[bool] = []
+        for text, trained in segs:
+            toks = encoded[k]
+            k += 1
+            if text == "{bos}" and tokenizer.bos_token_id is not None:
+                toks = [tokenizer.bos_token_id]
+            ids += toks
+            mask += [trained] * len(toks)
+        out.append((ids, mask))
+    return out
+
+
+def _encode_segments(tokenizer, segs: list[tuple[str, bool]]) -> tuple[list[int], list[bool]]:
+    return _encode_many(tokenizer, [segs])[0]
 
 
 def tokenize_conversation(tokenizer, conv: Conversation, chat_template=None, max_len: int | None = None):
@@ -167,6 +176,18 @@ def tokenize_conversation(tokenizer, conv: Conversation, chat_template=None, max
     if max_len is not None:
         ids, mask = ids[:max_len], mask[:max_len]
     return torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.bool)
+
+
+def tokenize_conversations(tokenizer, convs: Sequence[Conversation], chat_template=None, max_len: int | None = None,
+                           batch: int = 256) -> list[tuple[list[int], list[bool]]]:
+    """tokenize_conversation's (ids, mask) for many conversations, as lists, `batch` conversations a tokenizer
+    call (what `train` and `capture` tokenize tens of thousands of regenerated answers with)."""
+    out = []
+    for s in range(0, len(convs), batch):
+        many = [render_segments(tokenizer, c.messages, chat_template) for c in convs[s:s + batch]]
+        out += [(ids[:max_len], mask[:max_len]) if max_len is not None else (ids, mask)
+                for ids, mask in _encode_many(tokenizer, many)]
+    return out
 
 
 def encode_prompt(tokenizer, messages: list[dict] | Conversation, chat_template=None) -> list[int]:

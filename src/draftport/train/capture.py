@@ -210,20 +210,22 @@ def regenerate_into(out: str, target, convs, request: dict, console: Console, *,
 
 def tokenize_all(tokenizer, convs, chat_template, max_len, console: Console):
     """-> (ids: list[int32 array], masks: list[uint8 array], skipped). Drops samples with no loss token."""
-    from draftport.data.chat import tokenize_conversation
+    from draftport.data.chat import tokenize_conversations
 
     ids, masks, skipped = [], [], 0
+    step = 1024  # conversations a progress update (tokenize_conversations batches them for the tokenizer)
     with _progress(console, unit="conv") as progress:
         task = progress.add_task("tokenizing", total=len(convs))
-        for conv in convs:
-            x, m = tokenize_conversation(tokenizer, conv, chat_template=chat_template, max_len=max_len)
-            x, m = x.numpy().astype(np.int32), m.numpy().astype(np.uint8)
-            if len(x) < 2 or not m.any():
-                skipped += 1
-            else:
-                ids.append(x)
-                masks.append(m)
-            progress.advance(task)
+        for s in range(0, len(convs), step):
+            part = convs[s:s + step]
+            for x, m in tokenize_conversations(tokenizer, part, chat_template=chat_template, max_len=max_len):
+                x, m = np.asarray(x, dtype=np.int32), np.asarray(m, dtype=np.uint8)
+                if len(x) < 2 or not m.any():
+                    skipped += 1
+                else:
+                    ids.append(x)
+                    masks.append(m)
+            progress.advance(task, len(part))
     return ids, masks, skipped
 
 
