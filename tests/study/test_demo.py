@@ -245,3 +245,17 @@ def test_spread_and_timing_rows():
     assert rows == [["decode step ms (isolated)", 105.0, 90.0, 130.0, 5]] and notes == []  # agrees with 100 ms/token
     _, notes = timing_table({**ev, "baseline_tok_s": 2.0})
     assert len(notes) == 1 and "differ by 4.8×" in notes[0]
+
+
+def test_curve_ticks_keep_close_points_apart(tmp_path):
+    """A learning curve's log-axis labels: a point closer than 1.3× to the one before loses its label, except the
+    run's final (largest) point, which takes its close predecessor's place; the plot still draws every point."""
+    from draftport.study.plots import plot_accept_vs_data, spaced_ticks
+
+    marks = [538_000, 2_010_000, 5_000_000, 10_000_000, 20_000_000, 23_000_000]
+    assert spaced_ticks(marks) == [538_000, 2_010_000, 5_000_000, 10_000_000, 23_000_000]
+    assert spaced_ticks([1, 1.1, 1.2, 5]) == [1, 5] and spaced_ticks([1, 1.1]) == [1.1]
+    assert spaced_ticks([3, 1, 2]) == [1, 2, 3]  # sorted; 2 to 3 is 1.5×
+    png = plot_accept_vs_data(marks, {"drafter": [1.1, 1.4, 1.9, 2.2, 2.33, 2.36], "hybrid": [1.5] * 6},
+                              tmp_path / "c.png", reference={"floor": 1.44})
+    assert os.path.getsize(png) > 1000

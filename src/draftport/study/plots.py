@@ -173,6 +173,20 @@ def plot_layer_similarity(similarity: Mapping[str, Mapping[str, float | None]], 
     return _save(fig, path)
 
 
+def spaced_ticks(values: Sequence[float], min_ratio: float = 1.3) -> list[float]:
+    """The sorted values a log axis can label without their labels running into each other: each kept value at
+    least min_ratio times the one before; the largest always kept (a run's final point), in place of a close
+    predecessor (e.g. 20 M and 23 M: 23 M)."""
+    kept: list[float] = []
+    for v in sorted(values):
+        if kept and v < kept[-1] * min_ratio:
+            if v == max(values):
+                kept[-1] = v
+            continue
+        kept.append(v)
+    return kept
+
+
 def plot_accept_vs_data(sizes: Sequence[int], series: Mapping[str, Sequence[float | None]],
                         path: str | os.PathLike, *, reference: Mapping[str, float] | None = None,
                         title: str = "acceptance length vs training data",
@@ -186,23 +200,32 @@ def plot_accept_vs_data(sizes: Sequence[int], series: Mapping[str, Sequence[floa
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 3.8))
     markers = "osD^v<>"
-    for i, (label, values) in enumerate(series.items()):
+    for label, values in series.items():
         if len(values) != len(sizes):
             raise DraftportError(f"series {label!r} has {len(values)} values for {len(sizes)} data sizes")
+    # at each size the highest value is labelled above its point and the others below, so two close lines (the
+    # drafter and the hybrid) keep readable labels
+    top = {s: max((float(v[j]) for v in series.values() if v[j] is not None), default=None)
+           for j, s in enumerate(sizes)}
+    for i, (label, values) in enumerate(series.items()):
         pts = [(s, float(v)) for s, v in zip(sizes, values) if v is not None]
         if pts:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=markers[i % len(markers)], label=str(label))
             for x, y in pts:
-                ax.annotate(f"{y:.2f}", (x, y), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8)
+                ax.annotate(f"{y:.2f}", (x, y), textcoords="offset points", xytext=(0, 6 if y >= top[x] else -12),
+                            ha="center", fontsize=8)
     styles = ["--", ":", "-."]
     for i, (label, value) in enumerate((reference or {}).items()):
         if value is not None:
             ax.axhline(float(value), color="grey", ls=styles[i % len(styles)], lw=1.2, label=f"{label} ({value:.2f})")
-    if len(set(sizes)) > 1 and min(sizes) > 0 and max(sizes) / min(sizes) >= 4:
+    ticks = sorted(set(sizes))
+    if len(ticks) > 1 and min(ticks) > 0 and max(ticks) / min(ticks) >= 4:
         ax.set_xscale("log")
         ax.minorticks_off()
-    ax.set_xticks(list(sizes))
-    ax.set_xticklabels([tick_label(s) for s in sizes])
+        ticks = spaced_ticks(ticks)
+    ax.set_xticks(ticks)
+    ax.set_xticklabels([tick_label(s) for s in ticks])
+    ax.margins(y=0.12)  # room for the labels below the lowest points
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title)
