@@ -490,7 +490,7 @@ class NativeDecoder:
     @property
     def compiled(self) -> bool:
         """Whether any compiled pass exists (a forward uses one only when it asks)."""
-        return True in self._fns or self._whole is not None
+        return len(self._fns) > 1 or self._whole is not None  # beside the plain functions (key False)
 
     def report(self) -> dict:
         fns = (list(self._fns.get(True, ())) + list(self._fns.get(PREFILL_SCOPE, ()))
