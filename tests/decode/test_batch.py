@@ -88,28 +88,35 @@ def test_sampling_reproduces_and_samples_differ(targets, top_p):
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
-def test_compiled_decode_step_equals_plain(family):
-    """compile_decode (on by default on CUDA): the decode step runs the native pass's compiled layer halves and
-    gives the plain step's tokens, with refills and stop ids; prefills stay plain. Traced here with the "eager"
-    backend and fullgraph (a graph break would leave part of the step unfused), so it runs on the CPU, where the
-    default never compiles. A target of its own: the compiled functions stay on the model's native decoder."""
+@pytest.mark.parametrize("scope", ["layer", "prefill"])
+def test_compiled_pass_equals_plain(family, scope):
+    """compile_decode (scope "layer", on by default on CUDA): the decode step runs the native pass's compiled layer
+    halves; compile_prefill (scope "prefill", opt-in): the prefills run their dynamic-shape twins
+    (native.PREFILL_SCOPE). Either gives the plain engine's tokens, with refills of different widths and lengths,
+    prompts in pieces and stop ids, and compiles only its own scope. Traced here with the "eager" backend and
+    fullgraph (a graph break would leave part of the pass unfused), so it runs on the CPU, where the defaults never
+    compile. A target of its own: the compiled functions stay on the model's native decoder."""
     t = tiny_target(family)
     prompts = _prompts(seed=7)
     cfg = BatchConfig(batch_size=3, max_len=128, check_every=4, prefill_tokens=16)
     plain = BatchGenerator(t, cfg)
-    assert plain.decode_scope is False  # the CPU default
+    assert plain.decode_scope is False and plain.prefill_scope is False  # the CPU defaults
     ref = plain.generate(prompts, NEW)
     stop = ref[1][3]
     ref_stop = plain.generate(prompts, NEW, stop_ids=[stop])
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     gen = BatchGenerator(t, cfg)
-    gen.native.enable_compile("layer", backend="eager", fullgraph=True)
-    gen.decode_scope = "layer"
+    gen.native.enable_compile(scope, backend="eager", fullgraph=True)
+    if scope == "layer":
+        gen.decode_scope = scope
+    else:
+        gen.prefill_scope = scope
     assert gen.generate(prompts, NEW) == ref
     assert gen.generate(prompts, NEW, stop_ids=[stop]) == ref_stop
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 3  # attn_in, attend, attn_out_mlp traced
-    assert gen.native.report()["compile_failures"] == {}
+    rep = gen.native.report()
+    assert rep["compiled_scopes"] == [scope] and rep["compiled"] and rep["compile_failures"] == {}
     torch._dynamo.reset()
 
 
@@ -137,32 +144,6 @@ def test_prefill_over_its_own_keys_equals_hf_modules(targets, family):
         k_hf = hf.layers[i].keys[0] if hasattr(hf, "layers") else hf.key_cache[i][0]
         n = k_hf.shape[1]  # HF's sliding layers keep only the window's last tokens
         torch.testing.assert_close(gen.cache.layers[i].keys[1, :, len(p) - n:len(p)], k_hf, rtol=1e-4, atol=1e-5)
-
-
-@pytest.mark.parametrize("family", ["llama", "gemma3"])
-def test_compiled_prefill_equals_plain(family):
-    """compile_prefill (opt-in, CUDA): a prefill runs the layer halves' dynamic-shape twins (native.PREFILL_SCOPE),
-    and the tokens are the plain prefill's, with refills of different widths and lengths, pieces and stop ids.
-    Traced here with the "eager" backend and fullgraph; the decode step's scope stays as it was (not compiled)."""
-    t = tiny_target(family)
-    prompts = _prompts(seed=17)
-    cfg = BatchConfig(batch_size=3, max_len=128, check_every=4, prefill_tokens=16)
-    plain = BatchGenerator(t, cfg)
-    assert plain.prefill_scope is False  # the default
-    ref = plain.generate(prompts, NEW)
-    stop = ref[0][2]
-    ref_stop = plain.generate(prompts, NEW, stop_ids=[stop])
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
-    gen = BatchGenerator(t, cfg)
-    gen.native.enable_compile("prefill", backend="eager", fullgraph=True)
-    gen.prefill_scope = "prefill"
-    assert gen.generate(prompts, NEW) == ref
-    assert gen.generate(prompts, NEW, stop_ids=[stop]) == ref_stop
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 3
-    rep = gen.native.report()
-    assert rep["compiled_scopes"] == ["prefill"] and rep["compiled"] and rep["compile_failures"] == {}
-    torch._dynamo.reset()
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
