@@ -88,6 +88,41 @@ def test_sampling_reproduces_and_samples_differ(targets, top_p):
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_identical_prompts_share_one_prefill(targets, family, monkeypatch):
+    """share_prefill (the default): a refill's identical prompts (regeneration's samples, which reach generate as
+    separate prompts, or samples_per_prompt) run through the model once and the other rows get a copy of the K/V
+    and the last hidden state. The tokens equal the unshared engine's, greedy and sampled with the same seed,
+    with prompts in pieces, refills and duplicates split across refills; and the model sees fewer prompt rows."""
+    t = targets[family]
+    base = _prompts(LENGTHS[:4], seed=19)
+    prompts = [base[0], base[1], base[0], base[2], base[0], base[3], base[1]]  # repeats, some in later refills
+    kw = dict(batch_size=4, max_len=128, check_every=4, prefill_tokens=16)
+    counted = []
+    for temp in (0.0, 0.9):
+        shared = BatchGenerator(t, BatchConfig(temperature=temp, **kw))
+        alone = BatchGenerator(t, BatchConfig(temperature=temp, share_prefill=False, **kw))
+        for gen in (shared, alone):
+            fwd = gen._forward
+            rows = []
+
+            def counting(ids, *a, _fwd=fwd, _rows=rows, **k):
+                _rows.append(ids.shape[0])
+                return _fwd(ids, *a, **k)
+            monkeypatch.setattr(gen, "_forward", counting)
+            counted.append(rows)
+        for samples in (1, 3):
+            a = shared.generate(prompts, NEW, samples_per_prompt=samples, seed=4)
+            assert a == alone.generate(prompts, NEW, samples_per_prompt=samples, seed=4)
+        if temp == 0.0:
+            assert a[:3] == a[6:9] == a[12:15] == _engine_refs(t, [base[0]]) * 3  # greedy samples agree
+        else:
+            assert len({tuple(r) for r in a[:3]}) > 1  # the copied rows still draw their own samples
+    for shared_rows, alone_rows in zip(counted[::2], counted[1::2]):
+        # prefills are the forwards of more than one token a row; the decode steps' forwards are B rows each
+        assert sum(shared_rows) < sum(alone_rows)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
 @pytest.mark.parametrize("scope", ["layer", "prefill"])
 def test_compiled_pass_equals_plain(family, scope):
     """compile_decode (scope "layer", on by default on CUDA): the decode step runs the native pass's compiled layer

@@ -9,7 +9,8 @@ window on sliding layers), built the same way as decode/engine.py's masks.
 
     prefill  new rows' prompts, several rows a forward (right-padded to the longest piece, at most
              cfg.prefill_tokens query tokens a forward; a longer prompt goes in pieces); the pad tail writes
-             slots that the row's decode overwrites before any query can see them. A forward of first pieces
+             slots that the row's decode overwrites before any query can see them. Identical prompts in one
+             refill (a prompt's samples) run once, and the other rows get a copy. A forward of first pieces
              (every prompt from slot 0, the usual case) attends over its own keys alone, [b, T] by [b, T],
              and writes them into the rows' slots; a later piece attends over its rows' whole cache. Plain
              by default; cfg.compile_prefill runs the layer halves compiled for dynamic shapes;
@@ -69,6 +70,8 @@ class BatchConfig:
                                    # a block mask made from the rows' positions each step). Native pass only; on
                                    # CUDA compiled only (eager flex is the slow reference implementation)
     flex_block: int = 128          # key slots a flex block holds ("flex" skips whole blocks)
+    share_prefill: bool = True     # identical prompts admitted in one refill (a prompt's samples) prefilled once,
+                                   # the other rows given a copy of its K/V
     compile_prefill: bool = False  # the native prefill's layer halves under torch.compile with dynamic shapes
                                    # (every refill has its own rows × length), apart from the decode step's
                                    # (native.PREFILL_SCOPE); CUDA only, like compile_decode. Opt-in until measured
@@ -357,13 +360,23 @@ class BatchGenerator:
         self.graph = graph
         self.done.copy_(saved)
 
-    def _prefill(self, rows: list[int], prompts: list[torch.Tensor], limits: list[int]) -> None:
+    def _prefill(self, rows: list[int], prompts: list[torch.Tensor], limits: list[int],
+                 sources: list[int] | None = None) -> None:
         """Write the prompts into cache rows `rows` and set their decode state; the first token of
-        each comes from its prompt's last position."""
+        each comes from its prompt's last position. sources: one id a prompt, equal for identical prompts (the
+        samples of one prompt): with cfg.share_prefill only the first row of each id is run through the model,
+        and the others get a copy of its K/V and its last hidden state."""
         dev = self.device
         lengths = [int(p.shape[0]) for p in prompts]
+        if sources is None or not self.cfg.share_prefill:
+            sources = list(range(len(rows)))
+        lead: dict[int, int] = {}  # source id -> the first row (index into rows) holding it
+        for j, src in enumerate(sources):
+            lead.setdefault(src, j)
+        run = sorted(lead.values())  # the rows the model prefills
         last_h = [None] * len(rows)
-        for group in fill_order(lengths, self.cfg.prefill_tokens):
+        for group in fill_order([lengths[j] for j in run], self.cfg.prefill_tokens):
+            group = [(run[i], s, e) for i, s, e in group]
             T = max(e - s for _, s, e in group)
             ids = torch.zeros(len(group), T, dtype=torch.long, device=dev)
             qpos = torch.empty(len(group), T, dtype=torch.long, device=dev)
@@ -385,6 +398,16 @@ class BatchGenerator:
             for g, (i, s, e) in enumerate(group):
                 if e == lengths[i]:
                     last_h[i] = h[g, e - s - 1]
+        copies = [(j, lead[src]) for j, src in enumerate(sources) if lead[src] != j]
+        if copies:  # the other samples' rows: the lead row's K/V up to the prompt's end, its last hidden state
+            dst = torch.tensor([rows[j] for j, _ in copies], dtype=torch.long, device=dev)
+            src = torch.tensor([rows[i] for _, i in copies], dtype=torch.long, device=dev)
+            n = max(lengths[j] for j, _ in copies)
+            for layer in self.cache.layers:
+                layer.keys[dst, :, :n] = layer.keys[src, :, :n]
+                layer.values[dst, :, :n] = layer.values[src, :, :n]
+            for j, i in copies:
+                last_h[j] = last_h[i]
         logits = self.target.logits(torch.stack(last_h))                   # [b, V]
         if self.sampled:
             first = sampling.sample(sampling.warp_probs(logits, self.cfg.temperature, self.cfg.top_p), self.gen)
@@ -407,6 +430,10 @@ class BatchGenerator:
         at most the row's room under max_len) for every (prompt, sample), in the order prompt0-sample0,
         prompt0-sample1, ..., prompt1-sample0, ...  Reseeded each call with `seed` (default cfg.seed)."""
         prompts = [torch.as_tensor(list(p), dtype=torch.long) for p in prompts]
+        # identical prompts share an id (regeneration hands over a prompt's samples as separate prompts), so a refill
+        # runs each through the model once (cfg.share_prefill)
+        first: dict[bytes, int] = {}
+        source = [first.setdefault(p.numpy().tobytes(), i) for i, p in enumerate(prompts)]
         if max_new_tokens < 1 or samples_per_prompt < 1:
             raise DraftportError(f"need max_new_tokens >= 1 and samples_per_prompt >= 1 (got {max_new_tokens}, "
                                  f"{samples_per_prompt})")
@@ -434,7 +461,8 @@ class BatchGenerator:
                 for row, (i, k) in take:
                     row_job[row] = i * samples_per_prompt + k
                 self._prefill([row for row, _ in take], [prompts[i] for _, (i, _) in take],
-                              [min(max_new_tokens, self.S - prompts[i].shape[0]) for _, (i, _) in take])
+                              [min(max_new_tokens, self.S - prompts[i].shape[0]) for _, (i, _) in take],
+                              [source[i] for _, (i, _) in take])
             if all(j is None for j in row_job):
                 break
             if not bool(self.done.all()):  # rows finished at their first token need no step
