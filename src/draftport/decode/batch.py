@@ -364,11 +364,11 @@ class BatchGenerator:
                  sources: list[int] | None = None) -> None:
         """Write the prompts into cache rows `rows` and set their decode state; the first token of
         each comes from its prompt's last position. sources: one id a prompt, equal for identical prompts (the
-        samples of one prompt): with cfg.share_prefill only the first row of each id is run through the model,
-        and the others get a copy of its K/V and its last hidden state."""
+        samples of one prompt; generate gives equal ids only with cfg.share_prefill): only the first row of each
+        id is run through the model, and the others get a copy of its K/V and its logits."""
         dev = self.device
         lengths = [int(p.shape[0]) for p in prompts]
-        if sources is None or not self.cfg.share_prefill:
+        if sources is None:
             sources = list(range(len(rows)))
         lead: dict[int, int] = {}  # source id -> the first row (index into rows) holding it
         for j, src in enumerate(sources):
@@ -399,16 +399,17 @@ class BatchGenerator:
                 if e == lengths[i]:
                     last_h[i] = h[g, e - s - 1]
         copies = [(j, lead[src]) for j, src in enumerate(sources) if lead[src] != j]
-        if copies:  # the other samples' rows: the lead row's K/V up to the prompt's end, its last hidden state
+        if copies:  # the other samples' rows: the lead row's K/V up to the prompt's end
             dst = torch.tensor([rows[j] for j, _ in copies], dtype=torch.long, device=dev)
             src = torch.tensor([rows[i] for _, i in copies], dtype=torch.long, device=dev)
             n = max(lengths[j] for j, _ in copies)
             for layer in self.cache.layers:
                 layer.keys[dst, :, :n] = layer.keys[src, :, :n]
                 layer.values[dst, :, :n] = layer.values[src, :, :n]
-            for j, i in copies:
-                last_h[j] = last_h[i]
-        logits = self.target.logits(torch.stack(last_h))                   # [b, V]
+        # the head over the prefilled rows only, then a row per prompt (its lead's logits) for the first draw
+        at = {j: k for k, j in enumerate(run)}
+        logits = self.target.logits(torch.stack([last_h[j] for j in run]))
+        logits = logits[torch.tensor([at[lead[src]] for src in sources], device=dev)]      # [b, V]
         if self.sampled:
             first = sampling.sample(sampling.warp_probs(logits, self.cfg.temperature, self.cfg.top_p), self.gen)
         else:
@@ -433,7 +434,8 @@ class BatchGenerator:
         # identical prompts share an id (regeneration hands over a prompt's samples as separate prompts), so a refill
         # runs each through the model once (cfg.share_prefill)
         first: dict[bytes, int] = {}
-        source = [first.setdefault(p.numpy().tobytes(), i) for i, p in enumerate(prompts)]
+        source = ([first.setdefault(p.numpy().tobytes(), i) for i, p in enumerate(prompts)]
+                  if self.cfg.share_prefill else list(range(len(prompts))))
         if max_new_tokens < 1 or samples_per_prompt < 1:
             raise DraftportError(f"need max_new_tokens >= 1 and samples_per_prompt >= 1 (got {max_new_tokens}, "
                                  f"{samples_per_prompt})")
