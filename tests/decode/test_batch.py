@@ -126,7 +126,7 @@ def test_identical_prompts_share_one_prefill(targets, family, monkeypatch):
 @pytest.mark.parametrize("scope", ["layer", "prefill"])
 def test_compiled_pass_equals_plain(family, scope):
     """compile_decode (scope "layer", on by default on CUDA): the decode step runs the native pass's compiled layer
-    halves; compile_prefill (scope "prefill", opt-in): the prefills run their dynamic-shape twins
+    halves; compile_prefill (scope "prefill", on by default on CUDA): the prefills run their dynamic-shape twins
     (native.PREFILL_SCOPE). Either gives the plain engine's tokens, with refills of different widths and lengths,
     prompts in pieces and stop ids, and compiles only its own scope. Traced here with the "eager" backend and
     fullgraph (a graph break would leave part of the pass unfused), so it runs on the CPU, where the defaults never
@@ -152,6 +152,32 @@ def test_compiled_pass_equals_plain(family, scope):
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 3  # attn_in, attend, attn_out_mlp traced
     rep = gen.native.report()
     assert rep["compiled_scopes"] == [scope] and rep["compiled"] and rep["compile_failures"] == {}
+    torch._dynamo.reset()
+
+
+def test_compiled_prefill_traces_once_for_every_refill_shape():
+    """The compiled prefill (dynamic shapes) pads a block to 2 rows and past attend's small-query branch, so after
+    one wide refill of long prompts, a refill of one row and one of a short prompt (the chat target's refills, whose
+    rows end at the stop id one by one) trace nothing new: on the GPU each trace is an Inductor compile, paid in the
+    middle of a regeneration. The tokens stay the plain prefill's. (The wide refill is 3 rows: Dynamo's duck sizing
+    would tie a first trace's 4 rows to the tiny model's 4 query heads; a real first refill is hundreds wide.)"""
+    t = tiny_target("gemma3")
+    cfg = BatchConfig(batch_size=3, max_len=128, check_every=4)
+    g = torch.Generator().manual_seed(3)
+    wide = [torch.randint(4, 500, (n,), generator=g).tolist() for n in (30, 34, 40)]
+    short = torch.randint(4, 500, (3,), generator=g).tolist()
+    ref = BatchGenerator(t, cfg).generate(wide + [short], NEW)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    gen = BatchGenerator(t, cfg)
+    gen.native.enable_compile("prefill", backend="eager", fullgraph=True)
+    gen.prefill_scope = "prefill"
+    assert gen.generate(wide, NEW) == ref[:3]  # one block of 3 rows × 40
+    traced = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert traced >= 3
+    assert gen.generate([short], NEW) == ref[3:]  # one row of 3 tokens
+    assert gen.generate([wide[0]], NEW) == ref[:1]  # one row of 30
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == traced
     torch._dynamo.reset()
 
 
@@ -290,8 +316,8 @@ def test_cuda_graphed_equals_eager_and_compiled_equals_plain(family):
 def test_cuda_compiled_prefill_equals_plain(family):
     """fp32, greedy and sampled, on the CUDA defaults with flex decode attention: the prefill's layer halves compiled
     by Inductor for dynamic shapes (compile_prefill) give the plain prefill's tokens, refills of several widths and
-    lengths and prompts in pieces included. Its own test: the device driver regenerates on flex only when the test
-    above passes, and this opt-in must not decide that."""
+    lengths and prompts in pieces included (the engine's CUDA default since the twenty-third session; the test
+    above runs the defaults, so it compiles the prefill too)."""
     torch._dynamo.reset()
     t = tiny_target(family, device="cuda", dtype="fp32")
     prompts = _prompts()

@@ -12,8 +12,9 @@ window on sliding layers), built the same way as decode/engine.py's masks.
              slots that the row's decode overwrites before any query can see them. Identical prompts in one
              refill (a prompt's samples) run once, and the other rows get a copy. A forward of first pieces
              (every prompt from slot 0, the usual case) attends over its own keys alone, [b, T] by [b, T],
-             and writes them into the rows' slots; a later piece attends over its rows' whole cache. Plain
-             by default; cfg.compile_prefill runs the layer halves compiled for dynamic shapes;
+             and writes them into the rows' slots; a later piece attends over its rows' whole cache. On
+             CUDA (cfg.compile_prefill) the layer halves run compiled for dynamic shapes, each forward's
+             block padded so that one trace serves every refill; the CPU runs them plain.
     decode   one token for all B rows a step, captured as one CUDA graph on CUDA (eager on the CPU,
              the same function): the step writes each active row's token into an on-device output
              buffer, counts it and flags the row done on a stop id or its token limit, so the host
@@ -45,7 +46,8 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from draftport.decode import sampling
 from draftport.decode.graphs import attention_layout
 from draftport.errors import DraftportError
-from draftport.model.native import PREFILL_SCOPE, check_target_pass, choose_target_pass, native_decoder
+from draftport.model.native import (PREFILL_SCOPE, SMALL_QUERY_ROWS, check_target_pass, choose_target_pass,
+                                    native_decoder)
 
 MAX_STOP_IDS = 64  # stop ids a call may name (a fixed-size device buffer the graph compares against)
 DECODE_ATTENTION = ("dense", "flex")
@@ -72,9 +74,11 @@ class BatchConfig:
     flex_block: int = 128          # key slots a flex block holds ("flex" skips whole blocks)
     share_prefill: bool = True     # identical prompts admitted in one refill (a prompt's samples) prefilled once,
                                    # the other rows given a copy of its K/V
-    compile_prefill: bool = False  # the native prefill's layer halves under torch.compile with dynamic shapes
-                                   # (every refill has its own rows × length), apart from the decode step's
-                                   # (native.PREFILL_SCOPE); CUDA only, like compile_decode. Opt-in until measured
+    compile_prefill: bool | None = None  # the native prefill's layer halves under torch.compile with dynamic
+                                   # shapes (every refill has its own rows × length), apart from the decode step's
+                                   # (native.PREFILL_SCOPE). None: on CUDA with the native pass, like compile_decode
+                                   # (1.7× the plain prefill at 1,024 rows, 21.9× HF against 18.5× on an H100:
+                                   # BENCHMARKS.md, twenty-third session); True asks for the native pass
 
     def checked(self) -> "BatchConfig":
         if self.batch_size < 1 or self.max_len < 2 or self.check_every < 1 or self.prefill_tokens < 1:
@@ -256,7 +260,11 @@ class BatchGenerator:
                        if self.target_pass_kind == "native" else None)
         # what a prefill's forward runs: the plain halves, or (compile_prefill) their dynamic-shape compiled twins
         self.prefill_scope: str | bool = False
-        if self.cfg.compile_prefill:
+        # the shortest compiled prefill block (_piece_block): more query rows a key head than attend's small branch
+        heads = int(text.num_attention_heads)
+        group = heads // int(getattr(text, "num_key_value_heads", None) or heads)
+        self._min_prefill_len = max(2, SMALL_QUERY_ROWS // group + 1)
+        if self.cfg.compile_prefill or (self.cfg.compile_prefill is None and self.native is not None):
             if self.native is None:
                 raise DraftportError("compile_prefill needs the native target pass (this target runs HF's)")
             if self.device.type == "cuda":
@@ -360,6 +368,33 @@ class BatchGenerator:
         self.graph = graph
         self.done.copy_(saved)
 
+    def _piece_block(self, prompts: list[torch.Tensor], rows: list[int], group: list[tuple[int, int, int]]):
+        """One prefill forward's inputs for `group` [(prompt index, start, end)]: ids [b, T] (pieces left-aligned,
+        zero-padded), positions qpos [b, T] and cache rows [b], built on the host and copied once each (a copy
+        and a clamp a row cost more host time than the compiled forward's GPU time at 1,024 rows: BENCHMARKS.md,
+        twenty-third session). The pad tail gets the positions after the piece, capped at the last slot, which
+        never holds a token a query reads (a row stops before its cache is full).
+
+        With the prefill compiled (dynamic shapes) the block is padded to at least 2 rows and to more than
+        SMALL_QUERY_ROWS query rows a key head: Dynamo specialises a size of 1, and `attend` branches at that
+        many rows, so either would trace and compile the prefill again on the first refill of one row or of
+        short prompts. A padding row is all pad tail at the last slot of a row outside the group (another row's
+        last slot, never read either; outside, so no row is written twice in one forward)."""
+        pieces = [prompts[i][s:e].cpu() for i, s, e in group]
+        starts = [s for _, s, _ in group]
+        rws = [rows[i] for i, _, _ in group]
+        T = max(e - s for _, s, e in group)
+        if self.prefill_scope:
+            T = max(T, self._min_prefill_len)
+            if len(pieces) < 2 and self.B > 1:
+                pieces.append(pieces[0][:0])
+                starts.append(self.S - 1)
+                rws.append(1 if rws[0] == 0 else 0)
+        ids = torch.nn.functional.pad(torch.nn.utils.rnn.pad_sequence(pieces, batch_first=True),
+                                      (0, T - max(len(p) for p in pieces)))
+        qpos = (torch.tensor(starts)[:, None] + torch.arange(T)).clamp_(max=self.S - 1)
+        return ids.to(self.device), qpos.to(self.device), torch.tensor(rws, dtype=torch.long).to(self.device)
+
     def _prefill(self, rows: list[int], prompts: list[torch.Tensor], limits: list[int],
                  sources: list[int] | None = None) -> None:
         """Write the prompts into cache rows `rows` and set their decode state; the first token of
@@ -374,30 +409,25 @@ class BatchGenerator:
         for j, src in enumerate(sources):
             lead.setdefault(src, j)
         run = sorted(lead.values())  # the rows the model prefills
-        last_h = [None] * len(rows)
+        at = {j: k for k, j in enumerate(run)}
+        last: torch.Tensor | None = None  # [len(run), H]: each prefilled prompt's last hidden state
         for group in fill_order([lengths[j] for j in run], self.cfg.prefill_tokens):
             group = [(run[i], s, e) for i, s, e in group]
-            T = max(e - s for _, s, e in group)
-            ids = torch.zeros(len(group), T, dtype=torch.long, device=dev)
-            qpos = torch.empty(len(group), T, dtype=torch.long, device=dev)
-            t = torch.arange(T, device=dev)
-            for g, (i, s, e) in enumerate(group):
-                ids[g, :e - s] = prompts[i][s:e]
-                # the pad tail gets the positions after the piece, capped at the last slot, which never
-                # holds a token a query reads (a row stops before its cache is full)
-                qpos[g] = (s + t).clamp(max=self.S - 1)
-            rws = torch.tensor([rows[i] for i, _, _ in group], dtype=torch.long, device=dev)
             # first pieces see only their own keys: attention over T keys, not the rows' S slots
             fresh = all(s == 0 for _, s, _ in group)
+            ids, qpos, rws = self._piece_block(prompts, rows, group)
             masks = row_masks(qpos, self.S, self._layer_types, self._windows, self.dtype, qpos if fresh else None)
             self.cache.fresh = fresh
             try:
                 h = self._forward(ids, qpos, rws, self.prefill_scope, masks)
             finally:
                 self.cache.fresh = False
-            for g, (i, s, e) in enumerate(group):
-                if e == lengths[i]:
-                    last_h[i] = h[g, e - s - 1]
+            ends = [(g * ids.shape[1] + e - s - 1, at[i]) for g, (i, s, e) in enumerate(group) if e == lengths[i]]
+            if ends:  # one gather a group, not a slice a row (the host's cost, not the GPU's, bounds a wide refill)
+                flat, dst = (torch.tensor(c, dtype=torch.long, device=dev) for c in zip(*ends))
+                if last is None:
+                    last = h.new_empty(len(run), h.shape[-1])
+                last.index_copy_(0, dst, h.reshape(-1, h.shape[-1]).index_select(0, flat))
         copies = [(j, lead[src]) for j, src in enumerate(sources) if lead[src] != j]
         if copies:  # the other samples' rows: the lead row's K/V up to the prompt's end
             dst = torch.tensor([rows[j] for j, _ in copies], dtype=torch.long, device=dev)
@@ -407,8 +437,7 @@ class BatchGenerator:
                 layer.keys[dst, :, :n] = layer.keys[src, :, :n]
                 layer.values[dst, :, :n] = layer.values[src, :, :n]
         # the head over the prefilled rows only, then a row per prompt (its lead's logits) for the first draw
-        at = {j: k for k, j in enumerate(run)}
-        logits = self.target.logits(torch.stack([last_h[j] for j in run]))
+        logits = self.target.logits(last)
         logits = logits[torch.tensor([at[lead[src]] for src in sources], device=dev)]      # [b, V]
         if self.sampled:
             first = sampling.sample(sampling.warp_probs(logits, self.cfg.temperature, self.cfg.top_p), self.gen)
@@ -450,7 +479,6 @@ class BatchGenerator:
         if stop:
             self.stop[:len(stop)] = torch.tensor(stop, dtype=torch.long)
         self.gen.manual_seed(self.cfg.seed if seed is None else seed)
-        prompts = [p.to(self.device) for p in prompts]
         jobs = deque((i, k) for i in range(len(prompts)) for k in range(samples_per_prompt))
         results: list[list[int] | None] = [None] * len(jobs)
         row_job: list[int | None] = [None] * self.B
