@@ -390,7 +390,7 @@ def test_gpu_recipe_dry_run_commands_parse(tmp_path):
     assert train[1:3] == ["-m", "draftport"]
     args = build_parser().parse_args(train[3:])
     assert args.verb == "train" and args.regenerate and args.regen_engine == "batch-flex"
-    assert (args.samples_per_prompt, args.temperature, args.regen_batch_size) == (4, 0.8, 512)
+    assert (args.samples_per_prompt, args.temperature, args.regen_batch_size) == (4, 0.8, 1024)
     assert args.save_at_tokens == [500_000, 2_000_000, 5_000_000, 10_000_000, 20_000_000] and args.steps == 1300
     assert args.group_by_length == 32 and args.aux_scale  # the sixteenth session's measured choices
     plain = dry_run(tmp_path, "train", script="gpu_recipe.sh", **env, AUX_SCALE="0", GROUP_BY_LENGTH="0")[0]

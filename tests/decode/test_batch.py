@@ -159,12 +159,14 @@ def test_compiled_prefill_traces_once_for_every_refill_shape():
     """The compiled prefill (dynamic shapes) pads a block to 2 rows and past attend's small-query branch, so after
     one wide refill of long prompts, a refill of one row and one of a short prompt (the chat target's refills, whose
     rows end at the stop id one by one) trace nothing new: on the GPU each trace is an Inductor compile, paid in the
-    middle of a regeneration. The tokens stay the plain prefill's. (The wide refill is 3 rows: Dynamo's duck sizing
-    would tie a first trace's 4 rows to the tiny model's 4 query heads; a real first refill is hundreds wide.)"""
+    middle of a regeneration. The tokens stay the plain prefill's. The wide refill is 4 rows, as many as the tiny
+    model's query heads: with Dynamo's duck sizing on, the first trace would tie the two and the next refill trace
+    again."""
     t = tiny_target("gemma3")
-    cfg = BatchConfig(batch_size=3, max_len=128, check_every=4)
+    assert t.model.config.num_attention_heads == 4
+    cfg = BatchConfig(batch_size=4, max_len=128, check_every=4)
     g = torch.Generator().manual_seed(3)
-    wide = [torch.randint(4, 500, (n,), generator=g).tolist() for n in (30, 34, 40)]
+    wide = [torch.randint(4, 500, (n,), generator=g).tolist() for n in (30, 34, 40, 37)]
     short = torch.randint(4, 500, (3,), generator=g).tolist()
     ref = BatchGenerator(t, cfg).generate(wide + [short], NEW)
     torch._dynamo.reset()
@@ -172,10 +174,10 @@ def test_compiled_prefill_traces_once_for_every_refill_shape():
     gen = BatchGenerator(t, cfg)
     gen.native.enable_compile("prefill", backend="eager", fullgraph=True)
     gen.prefill_scope = "prefill"
-    assert gen.generate(wide, NEW) == ref[:3]  # one block of 3 rows × 40
+    assert gen.generate(wide, NEW) == ref[:4]  # one block of 4 rows × 40
     traced = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     assert traced >= 3
-    assert gen.generate([short], NEW) == ref[3:]  # one row of 3 tokens
+    assert gen.generate([short], NEW) == ref[4:]  # one row of 3 tokens
     assert gen.generate([wide[0]], NEW) == ref[:1]  # one row of 30
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == traced
     torch._dynamo.reset()

@@ -263,6 +263,24 @@ def attn_out_mlp(x, a, wo, bo, ln_a, ln_b, ln_c, wgu, bgu, wdown, bdown, rows: i
 # Dynamo keeps compiled code on a function's code object, shared by every torch.compile of that function. A
 # prefill has new [b, T] shapes at every refill, so it is compiled for dynamic shapes; under its own code objects
 # those entries never replace or outnumber the static ones the decode step and the single-sequence engine use.
+def _distinct_sizes(compiled):
+    """Run a dynamic-shape compiled function with Dynamo's duck sizing off while it traces: duck sizing gives two
+    sizes equal at trace time one symbol, so a refill whose rows happen to equal the query heads (4 on
+    Gemma-3-270M) or its length would be traced for that equality, and the next refill, where they differ,
+    traced again (an Inductor compile each on the GPU). Off, every size is its own symbol and one trace serves
+    all refills. Where the option does not exist the function runs as it is."""
+    from torch.fx.experimental import _config as fx_config
+
+    if not hasattr(fx_config, "use_duck_shape"):
+        return compiled
+
+    @functools.wraps(compiled)
+    def run(*args, **kwargs):
+        with fx_config.patch(use_duck_shape=False):
+            return compiled(*args, **kwargs)
+    return run
+
+
 def prefill_attn_in(*args, **kwargs):
     return attn_in(*args, **kwargs)
 
@@ -463,7 +481,8 @@ class NativeDecoder:
             fns = []
             for plain, wrap in zip(self._fns[False], wrappers):
                 fn = functools.partial(wrap, **plain.keywords) if isinstance(plain, functools.partial) else wrap
-                c = _FallBack(fn, torch.compile(fn, dynamic=True, backend=backend, fullgraph=fullgraph))
+                c = _FallBack(fn, _distinct_sizes(torch.compile(fn, dynamic=True, backend=backend,
+                                                                fullgraph=fullgraph)))
                 c.__name__ = wrap.__name__
                 fns.append(c)
             self._fns[PREFILL_SCOPE] = tuple(fns)
