@@ -370,9 +370,9 @@ class BatchGenerator:
 
     def _piece_block(self, prompts: list[torch.Tensor], rows: list[int], group: list[tuple[int, int, int]]):
         """One prefill forward's inputs for `group` [(prompt index, start, end)]: ids [b, T] (pieces left-aligned,
-        zero-padded), positions qpos [b, T] and cache rows [b], built on the host and copied once each (a copy
-        and a clamp a row cost more host time than the compiled forward's GPU time at 1,024 rows: BENCHMARKS.md,
-        twenty-third session). The pad tail gets the positions after the piece, capped at the last slot, which
+        zero-padded), positions qpos [b, T] and cache rows [b], built on the host and copied once each (built on
+        the device, a copy and a clamp a row made the host, not the GPU, set a 1,024-row prefill's time:
+        BENCHMARKS.md, twenty-third session). The pad tail gets the positions after the piece, capped at the last slot, which
         never holds a token a query reads (a row stops before its cache is full).
 
         With the prefill compiled (dynamic shapes) the block is padded to at least 2 rows and to more than

@@ -259,10 +259,6 @@ def attn_out_mlp(x, a, wo, bo, ln_a, ln_b, ln_c, wgu, bgu, wdown, bdown, rows: i
     return x + m
 
 
-# The layer halves again, for the batch engine's prefills (enable_compile(PREFILL_SCOPE)). Why separate functions:
-# Dynamo keeps compiled code on a function's code object, shared by every torch.compile of that function. A
-# prefill has new [b, T] shapes at every refill, so it is compiled for dynamic shapes; under its own code objects
-# those entries never replace or outnumber the static ones the decode step and the single-sequence engine use.
 def _distinct_sizes(compiled):
     """Run a dynamic-shape compiled function with Dynamo's duck sizing off while it traces: duck sizing gives two
     sizes equal at trace time one symbol, so a refill whose rows happen to equal the query heads (4 on
@@ -281,6 +277,10 @@ def _distinct_sizes(compiled):
     return run
 
 
+# The layer halves again, for the batch engine's prefills (enable_compile(PREFILL_SCOPE)). Why separate functions:
+# Dynamo keeps compiled code on a function's code object, shared by every torch.compile of that function. A
+# prefill has new [b, T] shapes at every refill, so it is compiled for dynamic shapes; under its own code objects
+# those entries never replace or outnumber the static ones the decode step and the single-sequence engine use.
 def prefill_attn_in(*args, **kwargs):
     return attn_in(*args, **kwargs)
 
