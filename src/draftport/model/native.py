@@ -259,22 +259,17 @@ def attn_out_mlp(x, a, wo, bo, ln_a, ln_b, ln_c, wgu, bgu, wdown, bdown, rows: i
     return x + m
 
 
-def _distinct_sizes(compiled):
-    """Run a dynamic-shape compiled function with Dynamo's duck sizing off while it traces: duck sizing gives two
-    sizes equal at trace time one symbol, so a refill whose rows happen to equal the query heads (4 on
-    Gemma-3-270M) or its length would be traced for that equality, and the next refill, where they differ,
-    traced again (an Inductor compile each on the GPU). Off, every size is its own symbol and one trace serves
-    all refills. Where the option does not exist the function runs as it is."""
+def distinct_sizes():
+    """The context the prefill's dynamic-shape twins run in (once a forward): Dynamo traces with duck sizing off.
+    Duck sizing gives two sizes equal at trace time one symbol, so a refill whose rows happen to equal the query
+    heads (4 on Gemma-3-270M) or its length would be traced for that equality, and the next refill, where they
+    differ, traced again (an Inductor compile each on the GPU). Off, every size is its own symbol and one trace
+    serves all refills. Where the option does not exist, nothing changes."""
     from torch.fx.experimental import _config as fx_config
 
     if not hasattr(fx_config, "use_duck_shape"):
-        return compiled
-
-    @functools.wraps(compiled)
-    def run(*args, **kwargs):
-        with fx_config.patch(use_duck_shape=False):
-            return compiled(*args, **kwargs)
-    return run
+        return contextlib.nullcontext()
+    return fx_config.patch(use_duck_shape=False)
 
 
 # The layer halves again, for the batch engine's prefills (enable_compile(PREFILL_SCOPE)). Why separate functions:
@@ -481,8 +476,7 @@ class NativeDecoder:
             fns = []
             for plain, wrap in zip(self._fns[False], wrappers):
                 fn = functools.partial(wrap, **plain.keywords) if isinstance(plain, functools.partial) else wrap
-                c = _FallBack(fn, _distinct_sizes(torch.compile(fn, dynamic=True, backend=backend,
-                                                                fullgraph=fullgraph)))
+                c = _FallBack(fn, torch.compile(fn, dynamic=True, backend=backend, fullgraph=fullgraph))
                 c.__name__ = wrap.__name__
                 fns.append(c)
             self._fns[PREFILL_SCOPE] = tuple(fns)
@@ -544,8 +538,10 @@ class NativeDecoder:
             out = self._whole(ids, pos, masks, cache, aux_layers, logits, invariant)
         else:
             key = True if scope == "layer" else scope
-            out = self._body(ids, pos, masks, cache, aux_layers, logits, invariant,
-                             self._fns.get(key, self._fns[False]))
+            traced = key == PREFILL_SCOPE and key in self._fns
+            with distinct_sizes() if traced else contextlib.nullcontext():
+                out = self._body(ids, pos, masks, cache, aux_layers, logits, invariant,
+                                 self._fns.get(key, self._fns[False]))
         return NativeOutput(*out)
 
     def _body(self, ids, pos, masks, cache, aux_layers: tuple, logits, invariant: bool, fns):
