@@ -6,7 +6,8 @@
 # HumanEval and the math set (its τ against the twenty-second and twenty-third sessions': the reproducibility of a
 # drafter trained on answers regenerated at another width) → the goal stage (all 80 MT-bench first turns, bf16) →
 # the `more` stage (900 more steps from the final drafter, lr 3e-4, and its goal eval: does the flattening curve
-# still pay?) → the batch engine on the chat target (the first pass's ×HF after the prefill traces once).
+# still pay?) → the batch engine on the chat target (the first pass's ×HF after the prefill traces once; a
+# 120-row refill profiled: launch- or work-bound, before any graph for the prefill is built).
 # Variables (an `env` file in /tmp/w is sourced after the defaults): MORE=1 BENCH_CHAT=1; files in /tmp/w: `stop`
 # (skip every stage after the curve), `repro` (chat target B beside the training and both floors), `sweep`
 # (+ `sweep_grid`, `sweep_steps`; after `more`).
@@ -58,7 +59,8 @@ fi
 if [ ! -f $W/stop ] && [ "$BENCH_CHAT" = 1 ]; then  # alone on the GPU: the regeneration figure on real answers
   timeout 240 python3 benchmarks/bench_generate.py --target $OUT/chat-target --chat-template gemma --prompts $W/data/prompts.jsonl \
     --n 256 --big-n 2048 --batch-sizes 1024 --hf-batch 256 --max-new-tokens 256 --max-len 768 --target-pass native-flex-cp \
-    --temperature 0.8 --samples 2 --split --out $R/bench-generate-chat.json > $L/bench-generate-chat.log 2>&1
+    --temperature 0.8 --samples 2 --split --profile $R/profile-generate-chat.txt --out $R/bench-generate-chat.json \
+    > $L/bench-generate-chat.log 2>&1
   stamp "bench-generate (chat target) rc=$?"
 fi
 [ -n "$REPRO" ] && wait $REPRO
