@@ -248,7 +248,6 @@ def measure(args) -> int:
         big = first_turn_prompts(target, args.prompts, args.big_n, template, args.max_len) if args.big_n else []
         warm = first_turn_prompts(target, args.prompts, 16, template, args.max_len, offset=len(prompts) * 4 + 16)
     sizes = [int(b) for b in args.batch_sizes.split(",")]
-
     passes = [t.strip() for t in args.target_pass.split(",") if t.strip()]
     res = {"bench": "generate", "target": args.target, "device": torch.cuda.get_device_name(0) if dev.type == "cuda"
            else platform.processor() or "cpu", "dtype": dtype, "torch": torch.__version__,

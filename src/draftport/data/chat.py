@@ -172,9 +172,7 @@ def tokenize_conversation(tokenizer, conv: Conversation, chat_template=None, max
     the turn's end marker). Truncated to max_len tokens."""
     import torch
 
-    ids, mask = _encode_segments(tokenizer, render_segments(tokenizer, conv.messages, chat_template))
-    if max_len is not None:
-        ids, mask = ids[:max_len], mask[:max_len]
+    ids, mask = tokenize_conversations(tokenizer, [conv], chat_template, max_len)[0]
     return torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.bool)
 
 

@@ -178,9 +178,10 @@ def spaced_ticks(values: Sequence[float], min_ratio: float = 1.3) -> list[float]
     least min_ratio times the one before; the largest always kept (a run's final point), in place of a close
     predecessor (e.g. 20 M and 23 M: 23 M)."""
     kept: list[float] = []
+    top = max(values, default=None)
     for v in sorted(values):
         if kept and v < kept[-1] * min_ratio:
-            if v == max(values):
+            if v == top:
                 kept[-1] = v
             continue
         kept.append(v)
