@@ -6,8 +6,8 @@ import os
 from pathlib import Path
 
 # One intra-op thread: the tests run tiny models, where a second thread costs more in hand-offs than
-# it gains (measured ~100x on a tiny training loop on this 2-core machine); set before torch loads so
-# subprocesses (torchrun, killed-and-resumed runs) inherit it.
+# it gains (a tiny training loop runs many times slower with more threads on a small CPU); set before
+# torch loads so subprocesses (torchrun, killed-and-resumed runs) inherit it.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest
@@ -16,11 +16,11 @@ FIXTURES = Path(__file__).parent / "fixtures"
 
 
 def pytest_addoption(parser):
-    # the full hostile-input run (issue #7): 1,200 cases per reader instead of CI's few dozen;
+    # the full hostile-input run: 1,200 cases per reader instead of CI's few dozen;
     # DRAFTPORT_FUZZ_EXAMPLES=N sets the number per reader directly
     parser.addoption("--fuzz-full", action="store_true", default=False,
                      help="run tests/check/test_fuzz.py with 1,200 generated cases per reader (by hand, minutes)")
-    # the full killed-run campaign (issue #7): 12 SIGKILLs of `python -m draftport capture` and of
+    # the full killed-run campaign: 12 SIGKILLs of `python -m draftport capture` and of
     # `... train` at random points instead of CI's 3 each (of forked children)
     parser.addoption("--reliability-full", action="store_true", default=False,
                      help="run tests/train/test_reliability.py's kill campaign in full (by hand, minutes)")
@@ -47,7 +47,7 @@ def fixtures_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def gemma_target():
-    """The embedded default target (Gemma-3-270M, fp32, CPU), loaded once per test session."""
+    """The embedded default target (Gemma-3-270M, fp32, CPU), loaded once for the whole test run."""
     from draftport.model.target import load_target
 
     return load_target("gemma-3-270m", device="cpu", dtype="fp32")

@@ -11,7 +11,7 @@ Rules (docs/internals.md, "the map of the house"):
 4. `decode/` never imports `train/`: the engine does not depend on training (train/ may use decode/).
 5. Nothing below the CLI imports the CLI (`cli` and `__main__` only).
 
-`import_graph()` is also how the counts in the issue notes are made: the internal import arrows are
+`import_graph()` is also how the import graph is counted: the internal import arrows are
 the distinct (importer, imported module) pairs of `arrows`, lazy ones included, packages' __init__ not
 counted as a module.
 """

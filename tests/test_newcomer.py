@@ -1,4 +1,4 @@
-"""What a newcomer meets on the command line (issue 23): one-line argparse errors, help on every flag,
+"""What a newcomer meets on the command line: one-line argparse errors, help on every flag,
 failed commands that leave no folder behind (or a note saying why when they leave one), files written
 with the usual mode, and train's table without a doubled row."""
 
@@ -43,7 +43,7 @@ def test_check_help_documents_its_exit_codes(capsys):
 
 def test_train_on_missing_data_fails_before_loading_and_leaves_no_folder(tmp_path, capsys):
     out = tmp_path / "run"
-    # gemma-3-270m would take ~15 s to load: the data is checked first, so this never loads it
+    # gemma-3-270m takes seconds to load: the data is checked first, so this never loads it
     rc = main(["train", "--target", "gemma-3-270m", "--data", str(tmp_path / "missing.jsonl"), "--out", str(out)])
     err = capsys.readouterr().err
     assert rc == 2 and "missing.jsonl: no such file" in err and err.count("\n") == 1

@@ -109,8 +109,8 @@ def _add_common(p: argparse.ArgumentParser, *, target=False, data=False, out=Fal
                        help="native pass on CUDA: torch.compile each layer's two halves (layer) or the whole pass "
                             "as one region (whole)")
         p.add_argument("--fast-attention", action="store_true",
-                       help="native pass: the small-query attention unpadded — a faster step (0.99 against 1.36 ms, "
-                            "Gemma-3-270M shape, H100), but a verify may round a row unlike a 1-token step, so bf16 "
+                       help="native pass: the small-query attention unpadded — a faster step (see BENCHMARKS.md), "
+                            "but a verify may round a row unlike a 1-token step, so bf16 "
                             "speculative text can leave the no-speculation greedy text")
     if json:
         p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
@@ -202,7 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="from scratch: the drafter's lm_head starts as the target's head rows (same hidden size)")
     p.add_argument("--aux-scale", action="store_true",
                    help="from scratch: train fc on each aux state divided by its RMS on the first batch (Gemma's "
-                        "states differ 20x in size from layer to layer); saved drafters hold fc with the scale "
+                        "states differ widely in size from layer to layer); saved drafters hold fc with the scale "
                         "folded in, so engines load plain EAGLE-3 weights")
     p.add_argument("--draft-intermediate-size", type=int, default=None, metavar="N",
                    help="from scratch: the drafter's MLP width (default the target's; SGLang and vLLM build the MLP "

@@ -145,8 +145,8 @@ def _check_positive(name: str, value: float | None, allow_zero: bool = False) ->
 def resolve_cycle_ms(cfg: EconomicsConfig) -> tuple[float, float, float]:
     """Validate the cycle flags → (cycle_ms, verify_ms, rest_ms) where rest = cycle − verify.
 
-    In the --cycle-ms form the split is unknown; the cycle is treated as all verify (the seed's
-    30 ms cycle is dominated by the verify pass), so the what-if rows scale the whole cycle.
+    In the --cycle-ms form the split is unknown; the cycle is treated as all verify (a cycle is
+    usually dominated by the verify pass), so the what-if rows scale the whole cycle.
     """
     for name, value in (("--cycle-ms", cfg.cycle_ms), ("--verify-ms", cfg.verify_ms),
                         ("--draft-ms", cfg.draft_ms)):

@@ -137,10 +137,10 @@ def _target_errors(fx, drafter, target, engines=("sglang", "vllm"), inv=None):
     ("drafter-llama3.1-8b-eagle3-original", "target-llama3.1-8b-instruct", ("vllm",), set()),
     ("drafter-llama3.1-8b-eagle3-original", "target-llama3.1-8b-instruct", ("sglang",), {"architecture_unsupported"}),
     ("drafter-kimi-k2-eagle3-aqmedai", "target-deepseek-v3", ("sglang", "vllm"), {"vocab_mismatch"}),
-    # SGLang's LlamaForCausalLMEagle3 implements neither fc_norm nor norm_output (issue #18: was not flagged)
+    # SGLang's LlamaForCausalLMEagle3 implements neither fc_norm nor norm_output: flagged as ignored
     ("drafter-qwen3-30b-a3b-eagle3.1-sglang", "target-qwen3-8b", ("sglang",), {"hidden_size_mismatch", "flag_ignored"}),
     ("drafter-llama3.1-8b-eagle3-sglang", "target-qwen3-8b", ("sglang",), {"vocab_mismatch"}),
-    # SGLang's Gemma-3 classes have no set_eagle3_layers_to_capture (issue #18: was not flagged)
+    # SGLang's Gemma-3 classes have no set_eagle3_layers_to_capture: the target is unsupported there
     ("drafter-qwen3-8b-eagle3-sglang", "target-gemma3-4b-it-multimodal", ("sglang",),
      {"vocab_mismatch", "hidden_size_mismatch", "target_unsupported"}),
 ])

@@ -1,7 +1,7 @@
-"""Issue #18: `check` and `export` tell the truth about each serving engine.
+"""`check` and `export` tell the truth about each serving engine.
 
-One regression test per case the issue lists under "Why" (each failed on the code before it),
-each naming the engine source it encodes (check/engines.py's header gives the commit read), plus the
+One test per case where an engine refuses or silently mis-loads what a reading of the config alone would
+pass, each naming the engine source it encodes (check/engines.py's header gives the commit read), plus the
 export × variant round trip: what `export` writes, `check` calls valid for the engines it is for.
 """
 
@@ -144,7 +144,7 @@ def test_hidden_size_mismatch_without_embedding_is_an_error(tmp_path):
     for r in (check(bare), check(bare, target=target)):
         assert r["verdict"] != "valid" and r["engine_verdicts"] == {"sglang": "incompatible", "vllm": "incompatible"}
         assert all("embedding_missing" in errors(r, e) for e in ("sglang", "vllm"))
-    # the export of a drafter that holds its embedding now writes it (it used to be dropped) and checks valid
+    # the export of a drafter that holds its embedding writes it (not dropped) and checks valid
     full, out = tmp_path / "full", tmp_path / "out"
     make(cfg, embedding=True).save_pretrained(full, format="vllm", include_embedding=True)
     with redirect_stdout(io.StringIO()) as buf:
@@ -199,7 +199,7 @@ VARIANTS = [  # (format, layers, embedding)
 @pytest.mark.parametrize("fmt,layers,emb", VARIANTS, ids=[f"{f}-{n}layer-{'emb' if e else 'noemb'}" for f, n, e in VARIANTS])
 def test_check_calls_every_export_valid_for_its_engines(tmp_path, fmt, layers, emb):
     """vLLM llama_eagle3.py (@00bd1493) renames midlayer. to layers.0. and builds layers.{i} for i >= 1:
-    draftport's vLLM export writes exactly that, and check used to expect SGLang's additional_layers.*."""
+    draftport's vLLM export writes exactly that, and check expects it there (not SGLang's additional_layers.*)."""
     from draftport.check.engines import FORMAT_ENGINES
 
     src = tmp_path / "src"
@@ -219,7 +219,7 @@ def test_check_calls_every_export_valid_for_its_engines(tmp_path, fmt, layers, e
 
 
 def test_vllm_check_of_a_two_layer_vllm_export(tmp_path):
-    """The issue's case: `check --engine vllm` on draftport's vLLM export of a two-layer drafter."""
+    """`check --engine vllm` on draftport's vLLM export of a two-layer drafter."""
     d = tmp_path / "d"
     make(config(num_hidden_layers=2)).save_pretrained(d, format="vllm", target=LLAMA_TARGET)
     with redirect_stdout(io.StringIO()) as buf:

@@ -1,4 +1,4 @@
-"""Hostile inputs (issue #7, part 1): every reader parses a file or raises DraftportError, one line.
+"""Hostile inputs: every reader parses a file or raises DraftportError, one line.
 
 Each reader gets property-based cases (hypothesis) made by mutating real-shaped inputs: the fixture
 configs (SGLang / EAGLE / speculators / MLA drafters; Llama / Qwen / DeepSeek / Gemma-3 wrapper
@@ -53,7 +53,7 @@ from draftport.data.store import Store, StoreWriter, read_shard_header
 
 FIXTURES = Path(__file__).parent.parent / "fixtures"
 HANG_S = 20                  # generous: a case takes milliseconds; only a loop that never ends gets here
-PEAK_BYTES = 16 << 20        # Python-heap peak of one reader call (inputs are < 1 MB; measured peaks ~1 MiB)
+PEAK_BYTES = 16 << 20        # Python-heap peak of one reader call (inputs are < 1 MB; a sound reader peaks near that)
 RSS_BYTES = 256 << 20        # growth of the process's peak RSS per case (torch's allocations are not traced)
 FULL_EXAMPLES = 1200         # per reader under --fuzz-full: 9 readers, 10,800 cases
 COUNTS: Counter = Counter()  # reader -> cases run
@@ -98,7 +98,7 @@ def guarded():
 
 @contextlib.contextmanager
 def untraced():
-    """Pause allocation tracing (rich rendering, 4x slower traced, reads no file)."""
+    """Pause allocation tracing (rich rendering, much slower traced, reads no file)."""
     if not tracemalloc.is_tracing():
         yield
         return

@@ -51,10 +51,9 @@ def test_precedence_explicit_then_trained_then_native_engine():
 
 
 def test_a_vllm_drafter_is_fed_the_same_layers_by_eval_as_by_export(tmp_path):
-    """Issue #18: a drafter carrying only top-level (vLLM) ids was fed SGLang's reading (none: the default
-    [2, L//2, L-3]) by the engine behind eval/generate, while export and train --init-from used its
-    native engine's (the ids as written). Now the engine, export, the exported copy and a fresh target
-    wrapper all answer with the same layers."""
+    """A drafter carrying only top-level (vLLM) ids is read as its native engine reads them (the ids as
+    written), not by SGLang's reading (none: the default [2, L//2, L-3]): the engine behind eval/generate,
+    export, train --init-from, the exported copy and a fresh target wrapper all answer with the same layers."""
     import torch
 
     from draftport.decode.engine import EngineConfig, SpecEngine

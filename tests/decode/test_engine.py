@@ -194,7 +194,7 @@ def test_greedy_speculation_with_random_drafter_is_target_greedy(targets, family
 def test_engine_asks_the_native_pass_for_one_attention_shape(targets):
     """invariant on (the default on CUDA): every target pass of the engine (prefill, 1-token steps, k-token
     verifies) asks native.attend for its padding, so in bf16 on a GPU a verify reproduces the step's rounding and
-    speculative greedy stays the no-speculation text (BENCHMARKS.md: 10/10 identical with it, 0/10 without).
+    speculative greedy stays the no-speculation text (measured: see BENCHMARKS.md, bf16 speculative greedy).
     That the padding gives one shape is tests/model/test_native.py's. On the CPU the default is off."""
     t = targets["llama"]
     assert SpecEngine(t, None, CONFIGS["chain3"]).invariant is False
@@ -384,7 +384,7 @@ def test_cuda_graphs_equal_eager(family, dtype):
 def test_bf16_speculative_greedy_is_the_plain_engine_text(family):
     """bf16 on the GPU: speculative greedy (chain of 3, graphed) == the same engine's greedy without a drafter,
     token for token: the verify's rows round as the 1-token steps' do (native.attend's invariant padding, the
-    default on CUDA). The chat-target eval of 2026-12-06 (BENCHMARKS.md) diverged in every prompt without it."""
+    default on CUDA). Without it, bf16 speculative text leaves the plain greedy text; see BENCHMARKS.md."""
     t = tiny_target(family, device="cuda", dtype="bf16")
     assert SpecEngine(t, None, CONFIGS["chain3"]).invariant
     prompt = _prompt(8).cuda()

@@ -204,7 +204,7 @@ def test_eval_on_gemma_is_lossless(gemma_target, tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
-# prompt lookup: the floor beside every drafter, the hybrid, --drafter ngram (issue 20)
+# prompt lookup: the floor beside every drafter, the hybrid, --drafter ngram
 # ---------------------------------------------------------------------------------------------
 
 FLOOR_KEYS = ("accept_len", "per_position_accept", "accept_hist", "cycles", "tok_s", "speedup", "match_rate",

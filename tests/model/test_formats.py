@@ -94,7 +94,7 @@ def test_round_trip_gives_identical_logits(tmp_path, fmt, cfg):
 @pytest.mark.parametrize("fmt", ["sglang", "vllm", "speculators"])
 def test_saved_tensors_are_exactly_the_inventory_check_expects(tmp_path, fmt):
     m = drafter(tiny_config(fc_norm=True))
-    # (speculators needs a verifier: issue #18 made a target-less speculators export an error)
+    # (speculators needs a verifier: a target-less speculators export is an error)
     m.save_pretrained(tmp_path, format=fmt, include_embedding=False, target=LLAMA_TARGET if fmt == "speculators" else None)
     spec = load_drafter_spec(tmp_path)
     real = {n: (t.shape, t.dtype) for n, t in read_inventory(tmp_path).tensors.items()}
@@ -239,7 +239,7 @@ def test_speculators_config_writes_every_flag_and_no_hub_id(tmp_path):
     verifier = cfg["speculators_config"]["verifier"]
     assert verifier["name_or_path"] == str(LLAMA_TARGET.absolute()) and verifier["architectures"] == ["LlamaForCausalLM"]
     assert "embed_tokens.weight" in read_inventory(tmp_path / "a").tensors   # speculators runs on its own copy
-    # issue #18: a null name_or_path made speculators fetch a verifier called "None"; now refused
+    # a null name_or_path makes speculators fetch a verifier called "None", so it is refused
     with pytest.raises(DraftportError, match="pass --target"):
         m.save_pretrained(tmp_path / "b", format="speculators", target=None)
     assert not (tmp_path / "b" / "config.json").exists()

@@ -107,7 +107,7 @@ def test_demo_end_to_end_on_a_tiny_target(tmp_path):
     assert "| prompt lookup (n 1–3) |" in md and s["eval"]["floor"]["match_rate"] == 1.0
     for png in ("acceptance.png", "tok_s.png", "tok_s_vs_verify.png"):
         assert f"]({png})" in md and os.path.getsize(tmp_path / "demo" / png) > 1000
-    # the new sections, from this run's own measurements: the machine, the timings' spread per prompt
+    # the machine and timing sections, from this run's own measurements: the machine, the timings' spread per prompt
     assert f"| cores | {s['machine']['cores']} |" in md and "6. Will it transfer?" in md
     assert len(s["eval"]["per_prompt"]["tok_s"]) == cfg.eval_prompts
     assert "| tok/s, speculative (per prompt) |" in md and "| verify ms (isolated) |" in md
@@ -131,7 +131,7 @@ def test_demo_end_to_end_on_a_tiny_target(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
-# The report as a newcomer reads it (issue 23), from a summary shaped like a contended CPU run:
+# The report as a newcomer reads it, from a summary shaped like a contended CPU run:
 # the isolated decode step (647 ms) cannot hold beside the baseline's own 7.7 tok/s (130 ms a token).
 
 def _contended_summary() -> dict:
@@ -209,8 +209,8 @@ def test_report_states_machine_spread_errors_and_transfer(tmp_path):
 def test_verify_plot_range_holds_the_break_even_verify(tmp_path):
     from draftport.study.plots import plot_tok_s_vs_verify, verify_axis_range
 
-    # like the issue's run: verify 829 ms measured, baseline 7.7 tok/s, τ 1.1 with 71 ms besides verify:
-    # break-even verify = 1000 · 1.1 / 7.7 − 71 = 71.9 ms, left of the old axis start (a tenth of 829 ms)
+    # a contended CPU run's figures: verify 829 ms measured, baseline 7.7 tok/s, τ 1.1 with 71 ms besides verify:
+    # break-even verify = 1000 · 1.1 / 7.7 − 71 = 71.9 ms, left of a tenth of the measured verify (829 ms)
     tau, rest, base, measured = 1.1, 71.0, 7.7, 829.0
     v_star = 1000 * tau / base - rest
     lo, hi = verify_axis_range({"d": (tau, rest)}, base, measured)

@@ -92,7 +92,7 @@ def test_html_renders_in_headless_chromium_with_its_plot(tmp_path):
 
 
 def test_committed_gpu_study_renders_with_every_plot_in_chromium(tmp_path, chromium_images):
-    """docs/gpu-study's summary.json (the committed H200 study) renders through today's study_report, and
+    """docs/gpu-study's summary.json (the committed GPU study) renders through today's study_report, and
     the resulting report.html shows each of its plots in a browser: each image decoded, none broken."""
     import json
     from pathlib import Path

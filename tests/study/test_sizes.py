@@ -1,5 +1,5 @@
 """study --sizes in tokens: the parsing (tokens vs samples, mixed refused), the subset each size trains on
-(cumulative tokens of the captured samples), epochs → steps, the data ratio of issue 22's goal, and the
+(cumulative tokens of the captured samples), epochs → steps, the data ratio of the study's goal, and the
 report stating every size in tokens and samples."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Reliability (issue #7, parts 2-5), proven on the real verbs:
+"""Reliability, proven on the real verbs:
 
 - killed runs: `capture` and `train` SIGKILLed at seeded random points, rerun with the same command,
   end with the store (every sample once, every sha256 valid) and the weights (bitwise, CPU, one
@@ -12,7 +12,7 @@
   resumes to the uninterrupted result.
 
 CI runs 3 kills per verb, of forked children of this process (torch and transformers are imported
-already: a `python -m draftport` launch costs ~10 s of imports on the 2-core CI machine). The full
+already: a `python -m draftport` launch costs seconds of imports on a small CI machine). The full
 campaign (`pytest --reliability-full -s tests/train/test_reliability.py`, by hand; RELIABILITY.md holds its
 figures) kills 12 `python -m draftport` processes per verb.
 """

@@ -9,9 +9,9 @@ Every rule names the engine source it was read from. The sources (the newest sto
 each file that was read; "@ <commit>" is that snapshot's commit):
   SG_EAGLE3   sglang  python/sglang/srt/models/llama_eagle3.py @ 03d5a777  (LlamaForCausalLMEagle3)
   SG_LLAMA    sglang  python/sglang/srt/models/{llama,qwen2,qwen3,deepseek_v2}.py: set_eagle3_layers_to_capture
-  SG_GEMMA3   sglang  python/sglang/srt/models/gemma3_causal.py @ 8dac1b72 (no set_eagle3_layers_to_capture;
-              sglang issue #18971, 2026-02-18, asks for it) and @ 038c87d4 (main: has it, from
-              PR #24709, 2026-05; no release draftport can pin carries it, hence `sglang@main` only)
+  SG_GEMMA3   sglang  python/sglang/srt/models/gemma3_causal.py @ 8dac1b72 (no set_eagle3_layers_to_capture)
+              and @ 038c87d4 (main: has it, from PR #24709; no release draftport can pin carries it,
+              hence `sglang@main` only)
   SG_WORKER   sglang  python/sglang/srt/speculative/eagle_worker.py: EAGLE-3 takes the target's
               embedding (set_embed), never its lm_head, unless the drafter has no lm_head
   VL_SPEC     vllm    vllm/config/speculative.py, SpeculativeConfig._verify_args: the EAGLE-3 target
@@ -22,7 +22,7 @@ each file that was read; "@ <commit>" is that snapshot's commit):
               last list is the rule
   VL_EAGLE3   vllm    vllm/model_executor/models/llama_eagle3.py @ 00bd1493 (Eagle3LlamaForCausalLM)
   VL_SPECCFG  vllm    vllm/transformers_utils/configs/speculators/algos.py @ cfb173ab (update_eagle3)
-  SP_CONFIG   speculators src/speculators/models/eagle3/config.py @ c05b95b3 (2026-08-20)
+  SP_CONFIG   speculators src/speculators/models/eagle3/config.py @ c05b95b3
 
 Versions: `sglang@0.5.4`, `vllm@0.10.1`, `sglang@main`; a bare name means the newest rules pinned
 to a release. Only rules whose boundary is known carry a version; the others hold for every
@@ -137,8 +137,8 @@ def target_support(ref: EngineRef, architecture: str, model_type: str, family: s
 
 # ---------------------------------------------------------------------------------------------
 # the SGLang aux-id rule (SG_LLAMA): with eagle_config ids, non-DeepSeek targets capture [i + 1];
-# deepseek_v2.py (DeepSeek-V3, Kimi-K2) adds 1 only when the first id is 1 since SGLang 0.5.23
-# (mid-2026); older releases added 1 always, like Llama. Without ids: [2, L//2, L-3] as is.
+# deepseek_v2.py (DeepSeek-V3, Kimi-K2) adds 1 only when the first id is 1 since SGLang 0.5.23;
+# older releases added 1 always, like Llama. Without ids: [2, L//2, L-3] as is.
 SGLANG_DEEPSEEK_FIRST_ID_RULE = (0, 5, 23)
 
 

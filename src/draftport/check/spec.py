@@ -451,7 +451,7 @@ def load_target_spec(path: str | os.PathLike) -> TargetSpec:
 
 
 # ---------------------------------------------------------------------------------------------
-# GGUF metadata. gguf.GGUFReader materialises every array (262k tokenizer strings: ~11 s here),
+# GGUF metadata. gguf.GGUFReader materialises every array (262k tokenizer strings: seconds),
 # so the key/value header is walked directly, with every length checked against the file size.
 _GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _GGUF_STRING, _GGUF_ARRAY = 8, 9

@@ -361,7 +361,7 @@ def split_train_val(n: int, val_fraction: float, seed: int = 0, keys: Sequence[s
 
 
 def check_data_source(name_or_path: str) -> None:
-    """Fail fast, before a verb creates its folder or loads a model (~15 s for Gemma), on data it cannot
+    """Fail fast, before a verb creates its folder or loads a model (seconds, even for Gemma-3-270M), on data it cannot
     read: a capture store is accepted as is (its reader checks it); anything else must yield a first
     conversation (a missing file, a directory, a malformed first record are one-line errors)."""
     from draftport.data.store import MANIFEST

@@ -1,5 +1,5 @@
-"""Batched plain generation (issue 21): many prompts through one static KV cache of B rows, for
-regeneration, where HF `generate` (left padding, a dynamic cache, a host sync per step) was the bottleneck.
+"""Batched plain generation: many prompts through one static KV cache of B rows, for regeneration,
+where HF `generate` (left padding, a dynamic cache, a host sync per step) is the bottleneck.
 
 Layout: row r of the cache holds one sequence; its token at position p lives in slot p, so rows of
 different prompt lengths share the cache with no padding inside a sequence (HF's left padding shifts
@@ -20,10 +20,11 @@ window on sliding layers), built the same way as decode/engine.py's masks.
              buffer, counts it and flags the row done on a stop id or its token limit, so the host
              looks only every cfg.check_every steps. On CUDA the native pass of this step runs its layer
              halves compiled (cfg.compile_decode): a graph removes the launches' host cost, not the
-             kernels' own few microseconds each, and the plain pass runs ~1,400 of them a step (every norm
-             is seven elementwise kernels in bf16), against ~300 compiled. With cfg.decode_attention "flex"
-             each row's attention reads only the key blocks it can see (the dense step reads all max_len
-             slots of every row: 2.6 of its 4.0 ms on an H100 at 512 rows × 768 slots);
+             kernels' own few microseconds each, and the plain pass runs many of them a step (every norm
+             is several elementwise kernels in bf16), several times as many as compiled. With
+             cfg.decode_attention "flex" each row's attention reads only the key blocks it can see (the
+             dense step reads all max_len slots of every row, most of the step's time at a large batch
+             and a long cache; measured: see BENCHMARKS.md, batched generation);
     refill   rows found done are read back and given the next pending (prompt, sample): continuous
              batching, so a long answer does not hold a batch of short ones hostage.
 
@@ -77,8 +78,8 @@ class BatchConfig:
     compile_prefill: bool | None = None  # the native prefill's layer halves under torch.compile with dynamic
                                    # shapes (every refill has its own rows × length), apart from the decode step's
                                    # (native.PREFILL_SCOPE). None: on CUDA with the native pass, like compile_decode
-                                   # (1.7× the plain prefill at 1,024 rows, 21.9× HF against 18.5× on an H100:
-                                   # BENCHMARKS.md, twenty-third session); True asks for the native pass
+                                   # (faster than the plain prefill at many rows; measured: see BENCHMARKS.md,
+                                   # batched generation); True asks for the native pass
 
     def checked(self) -> "BatchConfig":
         if self.batch_size < 1 or self.max_len < 2 or self.check_every < 1 or self.prefill_tokens < 1:
@@ -371,9 +372,9 @@ class BatchGenerator:
     def _piece_block(self, prompts: list[torch.Tensor], rows: list[int], group: list[tuple[int, int, int]]):
         """One prefill forward's inputs for `group` [(prompt index, start, end)]: ids [b, T] (pieces left-aligned,
         zero-padded), positions qpos [b, T] and cache rows [b], built on the host and copied once each (built on
-        the device, a copy and a clamp a row made the host, not the GPU, set a 1,024-row prefill's time:
-        BENCHMARKS.md, twenty-third session). The pad tail gets the positions after the piece, capped at the last slot, which
-        never holds a token a query reads (a row stops before its cache is full).
+        the device, a copy and a clamp a row make the host, not the GPU, set a many-row prefill's time;
+        measured: see BENCHMARKS.md, batched generation). The pad tail gets the positions after the piece, capped at
+        the last slot, which never holds a token a query reads (a row stops before its cache is full).
 
         With the prefill compiled (dynamic shapes) the block is padded to at least 2 rows and to more than
         SMALL_QUERY_ROWS query rows a key head: Dynamo specialises a size of 1, and `attend` branches at that

@@ -21,7 +21,7 @@ The static cache, the graph capture and the attention-kernel choice live in deco
 engine holds a `GraphSet`, `self.graphs`: its graphs, their pools and each target pass's kernel); this
 module holds the engine's configuration, its passes and the drafting cycles.
 
-Prompt lookup (`lookup=decode/ngram.PromptLookup(...)`, issue 20) drafts from the context instead of (or, the
+Prompt lookup (`lookup=decode/ngram.PromptLookup(...)`) drafts from the context instead of (or, the
 hybrid, beside) a trained drafter: after each accept one graphed function writes the emitted tokens
 into a context buffer and proposes the next cycle's chain, whose match length returns with the cycle's
 one host copy (_lookup_cycle).
@@ -213,7 +213,7 @@ class SpecEngine:
             drafter.set_embedding(self.target.embed_weight)
         self.aux_layers = layers
         self.dcache = drafter.new_cache(1, self.S, device=self.device)
-        # the drafter's own RMSNorms compiled too (its step is ~1/10 of a verify, run k times a cycle)
+        # the drafter's own RMSNorms compiled too (its step is small beside a verify, but runs k times a cycle)
         self.dfused = FusedTarget(drafter) if self._fuse else None
         # draft id -> target id, [Vd]
         self.d2t_ids = drafter.to_target_ids(torch.arange(spec.draft_vocab_size, device=self.device))
@@ -430,8 +430,8 @@ class SpecEngine:
         """A cycle's draft phase: the drafter made ready (after a cycle: its extend over the accepted
         rows), then the chain's k drafts [k] or the tree (DraftTree); the chain's sampling
         distributions as a second value (empty when greedy). With CUDA graphs and greedy decoding,
-        a cycle after the first runs it as ONE graph (`_whole_phase_fn`): on a launch-bound target the
-        per-step graphs left ~10 small eager ops between drafter steps, which cost more than the steps."""
+        a cycle after the first runs it as ONE graph (`_whole_phase_fn`): on a launch-bound target
+        per-step graphs leave small eager ops between drafter steps, which cost more than the steps."""
         c = self.cfg
         if self._whole_phase and state[0] == "pending" and c.temperature <= 0:
             args = (*state[1:], last)                                      # aux, ext, nt, a, last

@@ -294,7 +294,7 @@ def measure_steps(base, spec, position: int, repeats: int) -> dict:
                                          inner=STEP_INNER)
     # the whole draft phase through the engine's own code (extend, the k steps or D tree levels with
     # their bookkeeping, the tree selection): the sum of the pieces above misses the small tensor ops
-    # between them, which a launch-bound cycle pays for (an H200 tree cycle: 3.9 ms vs 2.6 ms summed)
+    # between them, which a launch-bound cycle pays for (a tree cycle most of all)
     zero = torch.zeros((), dtype=torch.long, device=dev)
     pending = ("pending", aux, ext, zero + n, zero)                   # a verify at n accepted nothing
 

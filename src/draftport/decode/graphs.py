@@ -20,9 +20,10 @@ SDPA_CHOICES = ("auto", "default", "efficient", "math", "cudnn")
 
 
 def sdpa_context(choice: str):
-    """The scaled-dot-product-attention kernels a target pass may use. Why choose: on the H200 the
-    default (cuDNN) kernel took 56 µs a layer for an 8-token verify against a masked 1024-slot cache,
-    7 µs for 1 token; the best kernel depends on the shape, so graphed passes try each ("auto")."""
+    """The scaled-dot-product-attention kernels a target pass may use. Why choose: the default (cuDNN)
+    kernel is slow for a multi-token verify against a masked cache and fast for one token, and the best
+    kernel depends on the shape, so graphed passes try each ("auto"; measured: see BENCHMARKS.md, fewer
+    kernels per target pass)."""
     if choice in ("auto", "default"):
         return contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -165,8 +166,8 @@ class GraphSet:
             # Each graph gets its own memory pool. With one shared pool a graph captured later may place
             # its outputs where an earlier graph keeps scratch, and that graph's next replay overwrites
             # them: the whole-draft-phase graph (captured in cycle 2) returns the tree that the cycle
-            # reads AFTER the verify graph (captured in cycle 1) has replayed — on the H200 its paths came
-            # back as garbage indices (device-side assert). Private pools cost only the graphs' scratch.
+            # reads AFTER the verify graph (captured in cycle 1) has replayed, so its paths would come back
+            # as garbage indices (a device-side assert). Private pools cost only the graphs' scratch.
             pool = torch.cuda.graph_pool_handle() if self.enabled else None
             g = self.graphs[key] = Graphed(fn, self.enabled, pool, variants)
         return g(*args)

@@ -31,16 +31,12 @@ from draftport.errors import DraftportError
 DEFAULT_NGRAM_MAX = 3
 DEFAULT_NGRAM_MIN = 1
 # Hybrid: the n-gram draft replaces the trained drafter's when its match is at least this long.
-# Measured with benchmarks/ngram_match_tau.py (CPU, fp32, Gemma-3-270M's tokenizer, depth 3, 2026-12-04),
-# τ of the n-gram draft by the match length m it came from (every position scored):
-#   chat text (--prompts sharegpt --text, 60 conversations' answers, 13,328 positions):
-#       m = 0: 1.00, m = 1: 1.29, m = 2: 1.75, m = 3: 2.48 (floor τ along decoding's cycles 1.28);
-#   the base model's own greedy MT-bench outputs (plain template, 8 prompts × 128 tokens; it loops):
-#       m = 1: 2.00 (14 positions), m = 2: 3.50 (18), m = 3: 3.94 (973) (floor τ 3.73).
-# The best drafters `draftport train` made accept τ 1.47–1.49 at depth 3 (issue 20, H200): a 1-token
-# match (1.29 on chat text) loses to them, a 2-token match (1.75) beats them; so M = 2. This weighs the
-# n-gram τ at m against the drafter's mean τ, not against its τ at those same positions: the hybrid
-# runs at M = 1, 2, 3 on the GPU (bench_decode.py's engine section) decide it for a given drafter.
+# The n-gram draft's τ rises with the match length m it came from (benchmarks/ngram_match_tau.py scores it
+# at every position): on chat text a 1-token match accepts less than a drafter trained by `draftport train`
+# does on average at depth 3, a 2-token match more; so M = 2 (measured: see BENCHMARKS.md, prompt-lookup
+# floor and hybrid). This weighs the n-gram τ at m against the drafter's mean τ, not against its τ at those
+# same positions: the hybrid runs at M = 1, 2, 3 on the GPU (bench_decode.py's engine section) decide it
+# for a given drafter.
 DEFAULT_MIN_MATCH = 2
 
 

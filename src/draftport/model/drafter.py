@@ -136,12 +136,13 @@ def first_layer_input(embeds: Tensor, hidden: Tensor, w_embed: Tensor, w_hidden:
 # ---------------------------------------------------------------------------------------------
 # compiled elementwise blocks (training)
 
-# Why: in a TTT training step on an H200 each norm, rotation and act·up ran as several separate
-# kernels, each a full memory pass in fp32 (the step's elementwise work was ~35 % of its time). Inside
+# Why: in an eager TTT training step each norm, rotation and act·up runs as several separate kernels,
+# each a full memory pass in fp32, and that elementwise work is a large share of the step (measured: see
+# BENCHMARKS.md, drafter training throughput). Inside
 # `compiled_elementwise()` the modules call torch.compile'd versions of the pure functions above, one
 # fused kernel each, with autograd through them. Outside it (decoding, export, tests) nothing changes.
-# Each compiled region also costs host time on every call (guards, its autograd node: ~0.5 ms forward
-# + backward on the H200's host, 62 regions a step, the step host-bound), so neighbours share one:
+# Each compiled region also costs host time on every call (guards, its autograd node, forward and
+# backward), and with dozens of regions a step the step is host-bound, so neighbours share one:
 # both RoPEs (rope_qk), layer 0's two input norms and their cat (first_layer_input).
 ELEMENTWISE = (rms_norm, gated_act, rope_qk, first_layer_input)
 _ACTIVE: dict = {}  # pure function -> its stand-in while a compiled_elementwise() block runs
@@ -207,8 +208,8 @@ def cached_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, attn_mask: Ten
     """Decoding attention over every cache slot. q [B, Hq, T, D]; k/v_cache [B, Hkv, S, D];
     attn_mask [B|1, T, S], bool (True = attend) or additive float. A draft step's few query rows go through
     the target pass's small-query matmuls (native.attend), more rows through SDPA. Why: SDPA's kernels tile
-    the queries, so one query over the cache leaves most SMs idle (53 µs a layer in the target's profile,
-    H200); the drafter's step is one such layer. No row padding: a draft is only a proposal, its rounding
+    the queries, so one query over the cache leaves most SMs idle (see native.SMALL_QUERY_ROWS); the
+    drafter's step is one such layer. No row padding: a draft is only a proposal, its rounding
     cannot change what the target accepts."""
     B, Hq, T, D = q.shape
     G = Hq // k_cache.shape[1]

@@ -1,9 +1,10 @@
 """Fewer kernels per target pass: compiled stand-ins for an HF decoder's elementwise blocks.
 
-Why: a graphed decode step of Gemma-3-270M launched 1,581 kernels (H200 profile, 2026-12-03); 981
-of them were the 109 RMSNorms (cast, square, mean, add eps, rsqrt, two multiplies, cast back each),
-about 2 µs apiece, so the step cost 3.4 ms against a 0.11 ms HBM floor. Under a CUDA graph the launch
-cost is gone but each kernel still pays its fixed minimum, so the lever is the kernel count.
+Why: an eager decode step of a small model such as Gemma-3-270M launches a kernel for every small op,
+and most of them are the RMSNorms' (cast, square, mean, add eps, rsqrt, two multiplies, cast back: a
+kernel each), each a few microseconds, so the step costs many times its memory-bandwidth floor
+(measured: see BENCHMARKS.md, fewer kernels per target pass). Under a CUDA graph the launch cost is gone
+but each kernel still pays its fixed minimum, so the lever is the kernel count.
 
 `FusedTarget(model)` finds the model's RMSNorm modules and the modelling module's
 `apply_rotary_pos_emb`, builds torch.compile'd replacements (one Triton kernel per norm, one per
@@ -76,8 +77,8 @@ def compiled(fn, dynamic: bool | None = True):
     if c is None:
         # Why dynamic and a higher limit: one norm function serves [1, T, H] hidden states and
         # [1, heads, T, D] q/k (3 vs 4 dims, 1 vs many heads, T = 1 vs T > 1, bf16 and fp32), for the
-        # target and the drafter. With the default 8 entries per function an H200 run exhausted the
-        # limit, and every shape after that (later engines' graphs) silently ran the eager norms.
+        # target and the drafter. The default 8 entries per function run out, and every shape after
+        # that (later engines' graphs) would silently run the eager norms.
         raise_recompile_limit(64)
         c = _COMPILED[fn] = _FallBack(fn, torch.compile(fn, dynamic=dynamic))
     return c
@@ -131,7 +132,7 @@ def grouped_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0
     """HF attention-interface function: SDPA on the key/value heads with the query heads of each
     group folded into the query length, so grouped-query attention with a mask never copies the
     cache (HF's sdpa path repeats K/V per query head whenever a mask is given and T > 1: for an
-    8B-shaped verify that was 2 copies of [32, S, 128] per layer, 0.7 ms a pass on the H200).
+    8B-shaped verify, 2 copies of [32, S, 128] per layer, a visible share of the pass).
     query [B, Hq, T, D]; key/value [B, Hkv, S, D]; mask [B|1, 1, T, S] (bool or additive) or None."""
     B, Hq, T, D = query.shape
     Hkv = key.shape[1]

@@ -1,11 +1,12 @@
 """A native decoder for the target pass: Llama, Qwen2, Qwen3 and Gemma-3 (text) run as plain tensor code
-over the HF model's own weights, against the engine's static KV cache (issue 24).
+over the HF model's own weights, against the engine's static KV cache.
 
 Why: the HF forward pays for its generality on every decode step: per layer a rotary module, mask and
 cache-kwarg plumbing, output capture hooks, three q/k/v and two gate/up matmuls where one would do, and
-(on a 1-token step of a small model) each of those is a kernel launch that costs more than its math. On
-the H200 the graphed HF step of Gemma-3-270M was 17x its HBM floor and 2x a plain PyTorch decoder of the
-same shape. This module is that plain decoder, reading the HF model's parameters:
+(on a 1-token step of a small model) each of those is a kernel launch that costs more than its math, so
+even graphed, the HF step of a small model stays far above its memory-bandwidth floor and behind a plain
+PyTorch decoder of the same shape (measured: see BENCHMARKS.md, native target pass). This module is that
+plain decoder, reading the HF model's parameters:
 
     weights    no copies. Per layer q/k/v (and their biases) are concatenated once into one [(Hq+2Hkv)·D, H]
                matrix and gate/up into one [2I, H] matrix, and the HF parameters are re-pointed to views into
@@ -132,15 +133,14 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, unit_offset: bool) ->
     return w * y.to(x.dtype)
 
 
-# Rows to which an invariant pass pads the inputs of its linear layers and head (0: not padded). Measured on an
-# H200 (sixteenth session, BENCHMARKS.md): it changed no token of the held-out text (prefix match 0.905 either
-# way) and cost 0.11 ms a step, so it stays 0, a diagnostic for benchmarks/bench_match.py's native-rows pass
-# (free when 0: the check is traced away in the compiled, graphed pass). Why it was built: on the H100
-# (2026-12-06, chat target, bf16) every drafter and hybrid run left the no-speculation text at the same token
-# of 5 of 10 held-out prompts whatever it drafted, so the 4-token verify rounds each row one way and the 1-token
-# step another, with the attention already padded. The profile of that call shows two of each layer's four
-# linear GEMMs running another cuBLAS kernel at 1 row than at 8. Padding every pass's rows to one count gives
-# them one shape, as SMALL_QUERY_ROWS does for attention. benchmarks/bench_match.py's native-rows pass turns it on.
+# Rows to which an invariant pass pads the inputs of its linear layers and head (0: not padded). It stays 0:
+# the padding changes no token of the held-out text and costs step time (measured: see BENCHMARKS.md, row
+# padding), so it is a diagnostic for benchmarks/bench_match.py's native-rows pass (free when 0: the check is
+# traced away in the compiled, graphed pass). Why it exists: in bf16, a verify of several tokens can round a
+# row one way and the 1-token step another even with the attention padded, so speculative greedy text can
+# leave the no-speculation text at a token whatever was drafted; cuBLAS may pick another GEMM kernel for a
+# linear layer at 1 row than at 8. Padding every pass's rows to one count gives them one shape, as
+# SMALL_QUERY_ROWS does for attention. benchmarks/bench_match.py's native-rows pass turns it on.
 INVARIANT_LINEAR_ROWS = 0
 
 
@@ -185,10 +185,10 @@ def attn_in(x, ln, wqkv, bqkv, qn, kn, cos, sin, rows: int = 0, *, hq: int, hkv:
 
 
 # Folded query rows (G·T) up to which `attend` computes attention as two matmuls and a softmax instead of
-# calling SDPA. Why: profiled on the H200 (2026-12-05, Gemma-3-270M shape, bf16, 1024-slot cache), SDPA's
-# kernel for a 1-token query (cuDNN flash) took 53 µs a layer, 60 % of the pass: a prefill kernel tiles the
-# queries and walks the keys one block at a time, so 4 query rows leave nearly every SM idle. The matmuls
-# spread the keys over the GPU instead; a prefill (many rows) keeps SDPA, which is fast there.
+# calling SDPA. Why: SDPA's kernel for a 1-token query (cuDNN flash) is a prefill kernel: it tiles the
+# queries and walks the keys one block at a time, so 4 query rows leave nearly every SM idle, and for a small
+# model over a long cache it dominates the decode step (measured: see BENCHMARKS.md, native target pass). The
+# matmuls spread the keys over the GPU instead; a prefill (many rows) keeps SDPA, which is fast there.
 SMALL_QUERY_ROWS = 64
 
 
@@ -202,12 +202,12 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torc
     engine's decode_attention "flex", decode/batch.py): flex attention, which skips the blocks the mask leaves out.
 
     invariant: the small-query rows padded to SMALL_QUERY_ROWS, so a 1-token step and a k-token verify
-    multiply matrices of one shape. Why: measured on an H100 (2026-12-06, chat target, bf16, prompt lookup on
-    MT-bench 10 × 200), the GEMM kernel chosen for 4 rows and for 16 rounds a row's sums differently, and the
-    speculative text left the no-speculation greedy text in every prompt (prefix match 0.37, 0/10 identical);
-    fp32 products did not fix it (0.43: any difference flips a bf16 rounding somewhere), one shape did (1.00,
-    10/10) at 1.36 ms a step against 0.99. The single-sequence engine asks for it on CUDA (its output must not
-    depend on how many tokens a pass verifies); the batch engine decodes one token a row every step and does not."""
+    multiply matrices of one shape. Why: the GEMM kernel chosen for 4 rows and for 16 can round a row's sums
+    differently, and in bf16 that is enough for speculative text to leave the no-speculation greedy text;
+    fp32 products do not fix it (any difference flips a bf16 rounding somewhere), one shape does, at the cost
+    of a slower step (measured: see BENCHMARKS.md, bf16 speculative greedy). The single-sequence engine asks for
+    it on CUDA (its output must not depend on how many tokens a pass verifies); the batch engine decodes one
+    token a row every step and does not."""
     B, Hq, T, D = q.shape
     Hkv = keys.shape[1]
     if isinstance(mask, BlockMask):  # the batch engine's decode step: only the key blocks each row can see
@@ -462,8 +462,8 @@ class NativeDecoder:
         """torch.compile (CUDA; the engine asks only with fusion on). scope "layer": the two halves of a layer,
         one compiled function for every layer, the cache write and attention eager between them. "whole": the
         pass from embedding to logits as one region, so the compiler may fuse across those seams and layers
-        (issue 24 asks for whichever measures faster). A compile failure falls back to the plain function with a
-        warning (fusion._FallBack). backend / fullgraph: tests trace on the CPU with backend "eager"."""
+        (the faster of the two depends on the model and GPU). A compile failure falls back to the plain function
+        with a warning (fusion._FallBack). backend / fullgraph: tests trace on the CPU with backend "eager"."""
         from draftport.model.fusion import _FallBack, raise_recompile_limit
 
         if scope not in SCOPES + (PREFILL_SCOPE,):

@@ -1,8 +1,8 @@
 """The target model: an HF decoder-only LM with aux-layer taps, its own output head, and its tokenizer.
 
 `load_target` takes a local HF directory (safetensors), a `.gguf` file, or the embedded default name
-`gemma-3-270m`. GGUF loading dequantises every tensor on the CPU (~30 s for Gemma-3-270M, plus ~18 s
-building the tokenizer), so the converted model and tokenizer are saved once, as safetensors, under
+`gemma-3-270m`. GGUF loading dequantises every tensor on the CPU and builds the tokenizer from the metadata (tens of
+seconds even for Gemma-3-270M), so the converted model and tokenizer are saved once, as safetensors, under
 `$DRAFTPORT_CACHE` (default `~/.cache/draftport/`) and loaded from there afterwards.
 
 Aux-layer ids mean "the residual stream entering decoder layer i", which is HF's
@@ -323,8 +323,8 @@ def _say(message: str) -> None:
 def _one_gguf_parse():
     """One gguf.GGUFReader per file for the block. Why: converting one GGUF, transformers builds a reader
     three times (the config for the tokenizer, the config for the model, the weights), and each walks
-    every metadata field in Python — for Gemma-3's 262k-token vocabulary ~2.4 M of them, ~40 s on a
-    2-core CPU, two thirds of a fresh `draftport demo`'s conversion. The readers are only read from
+    every metadata field in Python — for Gemma-3's 262k-token vocabulary millions of them, most of a
+    fresh `draftport demo`'s conversion on a small CPU. The readers are only read from
     (the tensors are memory-mapped), so sharing one is safe; the class is restored afterwards."""
     try:
         import gguf
@@ -370,8 +370,8 @@ COMMON_WORDS = "information government development important different children 
 
 def check_subword_tokenizer(tokenizer, source: str) -> None:
     """Refuse a tokenizer that splits common English words into pieces. transformers 5.17 converts
-    Gemma-3's GGUF tokenizer that way (measured: "Summarize" becomes 4 pieces instead of 2, while
-    decoding still round-trips; measured: these 10 words become 34 pieces): the model then reads ids it
+    Gemma-3's GGUF tokenizer that way (common words such as "Summarize" come out in more pieces than the
+    original tokenizer makes, while decoding still round-trips): the model then reads ids it
     was never trained on and writes fluent nonsense ("1. 2. 3. …"), and every drafter trained on its
     regenerated answers learns that. More than two pieces a word is a broken conversion, not a choice."""
     import transformers

@@ -131,7 +131,7 @@ def write_report(report: Report, out_dir: str) -> tuple[str, str]:
 
 def publish_table(out_dir: str, stem: str, md: str, data: dict) -> None:
     """A study script's result: `stem`.md (the table a reader reads) and `stem`.json (the figures behind
-    it) written into out_dir, and the markdown printed, which is what a device call's output tail keeps."""
+    it) written into out_dir, and the markdown printed, for a run whose stdout is all that comes back."""
     os.makedirs(out_dir, exist_ok=True)
     atomic_write_bytes(os.path.join(out_dir, f"{stem}.md"), md.encode("utf-8"))
     atomic_write_json(os.path.join(out_dir, f"{stem}.json"), data)

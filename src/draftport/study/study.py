@@ -187,7 +187,7 @@ def _eval_fields(s: dict) -> dict:
     keys = ("accept_len", "tok_s", "baseline_tok_s", "speedup", "predicted_tok_s", "offline_accept_len",
             "per_position_accept", "cycle_ms", "verify_ms", "draft_ms", "overhead_ms")
     out = {k: s.get(k) for k in keys}
-    floor = s.get("floor") or {}                 # prompt lookup on the same prompts, same run (issue 20)
+    floor = s.get("floor") or {}                 # prompt lookup on the same prompts, same run
     out.update(floor_accept_len=floor.get("accept_len"), floor_tok_s=floor.get("tok_s"))
     hybrid = s.get("hybrid") or {}               # prompt lookup when its match is long enough, else the drafter
     out.update(hybrid_accept_len=hybrid.get("accept_len"), hybrid_tok_s=hybrid.get("tok_s"))
@@ -214,10 +214,11 @@ def build_rows(plugin: dict, runs: list[dict]) -> list[dict]:
 
 
 def transfer_data_ratio(rows: list[dict], key: str = "tokens") -> dict | None:
-    """Issue 22's goal, measured: the share of scratch's data at which transfer first reaches scratch's τ
-    at its largest size. Measured: the smallest transfer size whose online τ ≥ that τ, over the largest
-    size (an upper bound: a size between two measured ones might do). Interpolated: where transfer's τ
-    crosses it, linear in log(size) between the bracketing points. None where a recipe has no τ."""
+    """The study's data-ratio goal (transfer on ≤ 1/4 of scratch's data, goal_ratio), measured: the share of
+    scratch's data at which transfer first reaches scratch's τ at its largest size. Measured: the smallest
+    transfer size whose online τ ≥ that τ, over the largest size (an upper bound: a size between two
+    measured ones might do). Interpolated: where transfer's τ crosses it, linear in log(size) between the
+    bracketing points. None where a recipe has no τ."""
     import math
 
     def curve(recipe):

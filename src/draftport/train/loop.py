@@ -56,8 +56,9 @@ def guarded_update(opt, gnorm: torch.Tensor, on_device: bool) -> torch.Tensor:
     """The optimizer step unless the gradient norm is NaN/Inf (a non-finite loss makes it so). Returns
     the 0-dim bool "skipped" flag. on_device: opt is a fused AdamW, which reads the flag inside its
     kernel (found_inf: no update, moments and step count untouched), so the host need not wait for
-    the backward; else one host read decides. Why: that read each step left the H200 idle while the
-    host caught up: 4.9 ms of a 78 ms step at the 8B shape (bench_train.py, queued steps)."""
+    the backward; else one host read decides. Why: a host read each step leaves the GPU idle while the
+    host catches up, a visible share of a step at the 8B shape (measured with bench_train.py's queued steps:
+    see BENCHMARKS.md, drafter training throughput)."""
     bad = ~torch.isfinite(gnorm.detach())
     if on_device:
         opt.found_inf = bad.float()
@@ -191,10 +192,10 @@ def request_config(cfg: TrainConfig, device: torch.device) -> dict:
     """The flags that decide the weights (not where output goes or how often it is written)."""
     skip = {"out", "restart", "json", "val_every", "save_every", "keep_last", "save_at_tokens", "log_every",
             "val_max_samples", "max_nonfinite_steps", "compile"}  # compile: the same weights either way
-    if not cfg.regenerate:  # regeneration settings decide nothing then (and runs made before them resume)
+    if not cfg.regenerate:  # regeneration settings decide nothing then (and checkpoints without them resume)
         from draftport.train.capture import REGEN_KEYS
         skip |= {"regenerate", *REGEN_KEYS}
-    if not cfg.group_by_length:  # off decides nothing new (and runs made before the option resume)
+    if not cfg.group_by_length:  # off decides nothing new (and checkpoints without the key resume)
         skip.add("group_by_length")
     if not cfg.aux_scale:  # likewise
         skip.add("aux_scale")

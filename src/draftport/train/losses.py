@@ -178,7 +178,8 @@ def _scaled(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, rows: int,
     """x · scale computed in fp32 and returned in `dtype`, `rows` rows at a time (bounded fp32 temporaries).
     Multiplying a bf16 tensor by the scale directly would round the scale itself to bf16: a bias of up
     to 0.4 % shared by every element. compiled: one fused pass (_scale_to), no fp32 temporaries — the
-    eager cast, multiply and copy of lm_head's [32000, 4096] ∂W took 6.7 ms of an 8B TTT step (H200)."""
+    eager cast, multiply and copy of an 8B drafter's lm_head ∂W ([32000, 4096]) are a visible share of its TTT
+    step."""
     if compiled:
         from draftport.model.fusion import compiled as compile_fn
 
@@ -274,7 +275,7 @@ class _LinearSoftCE(torch.autograd.Function):
         grad_h = torch.empty(N, H, dtype=compute_dtype, device=dev) if need_h else None
         # one chunk (the common T ≤ rows case): ∂W is that chunk's matmul as is, in the compute dtype, the
         # value nn.Linear's backward would give; several chunks sum in fp32. Skips a zero-filled fp32
-        # [Vd, H] buffer and an add per TTT step (~0.45 ms each on an H200 at Vd 32000, H 4096).
+        # [Vd, H] buffer and an add per TTT step, each a full memory pass over ∂W.
         one_chunk = N <= rows
         grad_w = torch.zeros(w.shape, dtype=torch.float32, device=dev) if need_w and not one_chunk else None
         rows_fn = _rows_kernel(compiled)

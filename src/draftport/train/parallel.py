@@ -75,15 +75,14 @@ def init_distributed(device: str | None = None, timeout_s: int = 1800) -> DistIn
 
 def shutdown(info: DistInfo) -> None:
     if info.distributed and dist.is_initialized():
-        # Every rank reaches the end before any tears its connections down: a gloo rank that destroyed its
-        # group while rank 0 was still writing the checkpoint aborted ("terminate called without an active
-        # exception", SIGABRT) in one CPU run of tests/train/test_parallel.py.
+        # Every rank reaches the end before any tears its connections down: a gloo rank that destroys its
+        # group while rank 0 is still writing the checkpoint can abort ("terminate called without an active
+        # exception", SIGABRT).
         dist.barrier()
         # A sharded model's DTensors hold its device mesh, which holds the group: whatever still holds them when the
-        # group is destroyed dies later, at interpreter exit, where gloo's threads torn down can abort the same way.
-        # The likely cause of one rank's abort in about 45 CPU runs of that test after the barrier was in (its stderr
-        # was not kept, so not proven). Unreachable ones go now; callers drop their own references first (run_train's
-        # model dies with _run's frame).
+        # group is destroyed dies later, at interpreter exit, where gloo's threads torn down can abort the same way
+        # (a rare abort of one rank even with the barrier). Unreachable ones go now; callers drop their own
+        # references first (run_train's model dies with _run's frame).
         gc.collect()
         dist.destroy_process_group()
 

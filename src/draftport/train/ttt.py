@@ -26,10 +26,10 @@ _FLEX: dict = {}  # the compiled flex_attention and causal block masks by (T, de
 
 def _flex_fn():
     """flex_attention compiled once per process, one graph per padded T (a multiple of 128).
-    Why static shapes and a raised limit: an H200 run with the defaults (automatic dynamic, 8 entries)
-    recompiled on each new T and on validation's no_grad, hit dynamo's limit ("[0/8] ... 'NoneType'
-    object has no attribute 'stride'") and from then on ran flex eagerly: slow, and it builds the
-    [T, T] scores flex exists to avoid. Entries: ≤ 2 per T (training, no_grad validation)."""
+    Why static shapes and a raised limit: with the defaults (automatic dynamic, 8 entries) it recompiles
+    on each new T and on validation's no_grad, hits dynamo's limit ("[0/8] ... 'NoneType' object has no
+    attribute 'stride'") and from then on runs flex eagerly: slow, and it builds the [T, T] scores flex
+    exists to avoid. Entries: ≤ 2 per T (training, no_grad validation)."""
     from torch.nn.attention.flex_attention import flex_attention
 
     from draftport.model.fusion import raise_recompile_limit
@@ -132,12 +132,12 @@ def ttt_step(d, hidden, ids, pos, cache, attention):
 # ---------------------------------------------------------------------------------------------
 # a decoder layer as two compiled regions (training on one process)
 
-# Why: the H200 profile of the 8B-shaped step (bench_train.py, 2026-12-03) showed the step host-bound:
-# 73 ms queued against 69 ms of device time, the host paying ~0.5 ms per compiled region (guards, its
-# autograd node) and ~30 µs per eager op with autograd, forward and backward. With every norm, RoPE and
+# Why: the 8B-shaped step is host-bound (measured with bench_train.py: see BENCHMARKS.md, drafter
+# training throughput): the host pays for every compiled region (guards, its autograd node) and for every
+# eager op with autograd, forward and backward, far more per region than per op. With every norm, RoPE and
 # act·up a region of its own and the matmuls, adds and casts eager in between, one TTT step of a
-# one-layer drafter was ~8 regions and ~20 eager ops. Here a layer is two regions — everything before
-# the attention kernel, everything after it — plus flex attention itself: 3 per step (plus the loss).
+# one-layer drafter is several regions and dozens of eager ops. Here a layer is two regions — everything
+# before the attention kernel, everything after it — plus flex attention itself: 3 per step (plus the loss).
 # Autocast inside a region would recast each fp32 weight on every one of the k calls, so the matmul
 # weights are cast once per step outside (eager autocast caches its casts the same way) and passed in.
 
@@ -222,10 +222,10 @@ class TTTModel(nn.Module):
         self.drafter, self.k, self.rows_per_chunk, self.attention = drafter, k, rows_per_chunk, attention
         self.compile, self.regions = compile, regions
         # train --aux-scale: fc reads aux * aux_inv_scale ([n·Ht], one constant per aux state). Under AdamW a
-        # weight moves by about lr whatever its input's size, so an input 20x larger (Gemma's layer 15 against
-        # layer 2) moves fc's output 20x faster; dividing each state by its RMS evens that out. A buffer only
-        # when on: the state of a run without it (and its checkpoints) stays as before. export_copy folds it
-        # into fc's columns, so a saved drafter is plain EAGLE-3.
+        # weight moves by about lr whatever its input's size, so an input n times larger (Gemma's deep layers
+        # against its early ones) moves fc's output n times faster; dividing each state by its RMS evens that
+        # out. A buffer only when on: a run without it keeps a state (and checkpoints) with no such entry.
+        # export_copy folds it into fc's columns, so a saved drafter is plain EAGLE-3.
         if aux_inv_scale is not None:
             self.register_buffer("aux_inv_scale", aux_inv_scale.detach().float().clone())
         else:
