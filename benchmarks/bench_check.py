@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from draftport.check.compat import CheckConfig, run_check
+from draftport.verbs.check import CheckConfig, run_check
 from draftport.check.inventory import DTYPE_SIZES, expected_inventory
 from draftport.check.spec import load_drafter_spec
 

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from scipy.optimize import brentq
 
 from draftport import economics as eco
+from draftport.verbs import economics as econ_verb
 from draftport.cli import main as cli_main
 from draftport.errors import DraftportError
 
@@ -93,13 +94,13 @@ def test_verify_form_and_what_if(capsys):
     assert d["cycle_ms"] == pytest.approx(24 + 3 * 1.5 + 1.5)
     assert d["tok_s"] == pytest.approx(2.5 / 0.030)
     rows = d["what_if"]
-    assert [r["verify_ms"] for r in rows] == pytest.approx([24 * f for f in eco.WHAT_IF_FACTORS])
+    assert [r["verify_ms"] for r in rows] == pytest.approx([24 * f for f in econ_verb.WHAT_IF_FACTORS])
     for r in rows:  # only the verify pass changes; draft and overhead stay
         assert r["cycle_ms"] == pytest.approx(r["verify_ms"] + 6.0)
         assert r["tok_s"] == pytest.approx(2.5 / (r["cycle_ms"] / 1000))
         assert r["break_even_accept_len"] == pytest.approx(82 * r["cycle_ms"] / 1000)
         assert r["speedup"] == pytest.approx(r["tok_s"] / 82)
-    measured = rows[eco.WHAT_IF_FACTORS.index(1.0)]
+    measured = rows[econ_verb.WHAT_IF_FACTORS.index(1.0)]
     assert measured["tok_s"] == pytest.approx(d["tok_s"])
     assert "required_accept_len" not in d and "reachable" not in d  # no goal given
 
@@ -135,14 +136,14 @@ def test_bad_input_is_one_line_exit_2(capsys, argv, needle):
     err = captured.err.strip()
     assert err.startswith("draftport: ") and "\n" not in err and needle in err
     with pytest.raises(DraftportError):
-        eco.compute(eco.EconomicsConfig(**_cfg_kwargs(argv)))
+        econ_verb.compute(econ_verb.EconomicsConfig(**_cfg_kwargs(argv)))
 
 
 def _cfg_kwargs(argv):
     from draftport.cli import build_parser, config_from_args
 
     args = build_parser().parse_args(["economics", *argv])
-    return vars(config_from_args(eco.EconomicsConfig, args))
+    return vars(config_from_args(econ_verb.EconomicsConfig, args))
 
 
 def test_human_output_tables(capsys):
@@ -150,7 +151,7 @@ def test_human_output_tables(capsys):
     out = capsys.readouterr().out
     assert "66.7" in out and "2.46" in out and "4.50" in out
     assert "what if" in out and "break-even" in out
-    for factor in eco.WHAT_IF_FACTORS:  # one what-if row per verify time
+    for factor in econ_verb.WHAT_IF_FACTORS:  # one what-if row per verify time
         assert f"{30 * factor:.2f}" in out
 
 

@@ -19,8 +19,8 @@ from draftport.safeio import FAILED_FILE, clean_failed_out, default_out
 # verb -> (module, config dataclass, main function). The config's fields carry the same names as the
 # argparse dests below; `config_from_args` copies the ones the dataclass declares.
 VERBS = {
-    "check": ("draftport.check.compat", "CheckConfig", "main"),
-    "economics": ("draftport.economics", "EconomicsConfig", "main"),
+    "check": ("draftport.verbs.check", "CheckConfig", "main"),
+    "economics": ("draftport.verbs.economics", "EconomicsConfig", "main"),
     "capture": ("draftport.train.capture", "CaptureConfig", "main"),
     "train": ("draftport.train.loop", "TrainConfig", "main"),
     "eval": ("draftport.decode.evaluate", "EvalConfig", "main"),

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from draftport.check.compat import (capture_layers, check_drafter, check_drafters, check_target, engine_aux_ids,
-                              engine_raw_ids)
+from draftport.check.compat import check_drafter, check_drafters, check_target
+from draftport.check.layers import capture_layers, engine_aux_ids, engine_raw_ids
 from draftport.errors import DraftportError
 from draftport.check.inventory import read_d2t, read_inventory
 from draftport.check.spec import drafter_spec_from_dict, load_drafter_spec, load_target_spec, target_spec_from_dict

@@ -16,7 +16,9 @@ import pytest
 import torch
 
 from draftport import cli
-from draftport.check.compat import CheckConfig, check_target, engine_aux_ids, run_check
+from draftport.check.compat import check_target
+from draftport.check.layers import engine_aux_ids
+from draftport.verbs.check import CheckConfig, run_check
 from draftport.check.spec import drafter_spec_from_dict, load_target_spec, target_spec_from_dict
 from draftport.errors import DraftportError
 from draftport.model.drafter import Eagle3Drafter
@@ -310,7 +312,7 @@ def test_engine_versions_parse_and_pick_the_sglang_deepseek_rule():
             parse_engines(bad)
     kimi = drafter_spec_from_dict(json.loads((FIXTURES / "drafter-kimi-k2-eagle3-aqmedai" / "config.json").read_text()))
     ds = load_target_spec(FIXTURES / "target-deepseek-v3")
-    from draftport.check.compat import capture_layers
+    from draftport.check.layers import capture_layers
     assert capture_layers(kimi, ds, "sglang") == [2, 30, 58]
     assert capture_layers(kimi, ds, "sglang", (0, 5, 4)) == [3, 31, 59]
     with redirect_stdout(io.StringIO()) as buf:

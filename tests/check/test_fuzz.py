@@ -42,13 +42,13 @@ from safetensors import safe_open
 from safetensors.numpy import save_file as np_save_file
 
 from draftport.train import checkpoint as ckpt
-from draftport.check.compat import CheckConfig, render, run_check
+from draftport.verbs.check import CheckConfig, render, run_check
 from draftport.data.conversations import LoadStats, iter_json_array, load_conversations, load_prompts
 from draftport.errors import DraftportError
 from draftport.check.inventory import DTYPE_SIZES, expected_inventory, read_inventory, read_safetensors_header
 from draftport.train.parallel import DistInfo
 from draftport.check.spec import (drafter_spec_from_dict, load_drafter_spec, load_target_spec, read_gguf_header,
-                            target_spec_from_dict)
+                                  target_spec_from_dict)
 from draftport.data.store import Store, StoreWriter, read_shard_header
 
 FIXTURES = Path(__file__).parent.parent / "fixtures"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from draftport.check.compat import capture_layers
+from draftport.check.layers import capture_layers
 from draftport.check.layers import default_aux_layers, native_engine, resolve_aux_layers
 from draftport.check.spec import drafter_spec_from_dict, target_spec_from_dict
 from draftport.errors import DraftportError

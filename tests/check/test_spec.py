@@ -11,7 +11,7 @@ import pytest
 
 from draftport.errors import DraftportError
 from draftport.check.spec import (DEFAULTS, drafter_spec_from_dict, load_drafter_spec, load_target_spec,
-                            read_gguf_header, target_spec_from_dict)
+                                  read_gguf_header, target_spec_from_dict)
 
 # fixture -> (layout, H, target H, I, heads, kv heads, head_dim, layers, V, Vd, raw aux ids, key)
 DRAFTERS = {

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from draftport import cli
-from draftport.check.compat import capture_layers
+from draftport.check.layers import capture_layers
 from draftport.model.drafter import Eagle3Drafter, TTTCache
 from draftport.errors import DraftportError
 from draftport.model.formats import canonical_name, layout_name, load_drafter, save_drafter

@@ -1,119 +1,23 @@
-"""Which target layers each engine feeds a drafter, and the `draftport check` verdicts.
+"""The `check` verdicts: is a drafter's checkpoint consistent with its config, does it fit a target on each
+engine, can one drafter replace another behind the same target. Findings are
+{severity: error|warning|info, code: stable snake_case, message, [engine], [about]}.
 
-The aux-layer rules, as the engines implement them (0-based "input of decoder layer i" ids,
-= HF `output_hidden_states[i]`; both engines append `hidden + residual` *before* running
-layer i when i is in their capture list):
-- SGLang reads only `eagle_config.eagle_aux_hidden_state_layer_ids` (model_runner.py). Without
-  it, `set_eagle3_layers_to_capture(None)` captures [2, L//2, L-3] as is (llama.py, qwen3.py,
-  deepseek_v2.py: no +1 on the default). With ids, Llama/Qwen/Gemma and the other non-DeepSeek
-  models capture `[i + 1 for i in ids]`; deepseek_v2.py (DeepSeek-V3, Kimi-K2) adds 1 only when
-  the first id is 1 (SGLang 0.5.23+; older releases added 1 always, like Llama).
-- vLLM reads only a top-level `eagle_aux_hidden_state_layer_ids`
-  (eagle3_utils.get_eagle3_aux_layers_from_config) and uses the ids as they are; without it,
-  the model's default (2, L//2, L-3).
-What each engine (and version) can serve at all — targets, tensors, flags, the embedding, the
-version of the DeepSeek rule — is check/engines.py's; this module turns it into findings and verdicts.
+What each engine (and version) can serve at all — targets, tensors, flags, the embedding — is
+engines.py's; which layers each engine feeds is layers.py's; this module turns both into findings and
+verdicts (the `check` verb, verbs/check.py, prints them; `export` runs the same judge on what it wrote).
 """
 
 from __future__ import annotations
 
-import json
 import os
-from dataclasses import dataclass
 
-from draftport.check.engines import (ENGINE_NAMES, ENGINES, EngineRef, aux_count_problem, drafter_problems,
-                                     embedding_problem, extra_layer_form, parse_engines, sglang_rule_note, target_support)
-from draftport.check.engines import sglang_adds_one as _sglang_adds_one
-from draftport.errors import DraftportError, bad_input
-from draftport.check.layers import default_aux_layers, validate_aux_ids
-from draftport.check.inventory import (FROZEN_OR_TRAINING, PICKLE_SUFFIXES, VOCAB_BUFFERS, Inventory, TensorInfo,
-                                 canonical_name, expected_inventory, read_d2t, read_inventory)
-from draftport.check.spec import (MLA_ARCHS, SGLANG_ARCHS, DrafterSpec, TargetSpec, load_drafter_spec,
-                            load_target_spec, target_family)
-
-SGLANG_RULE_NOTE = sglang_rule_note(EngineRef("sglang"))
-
-
-def _engine(engine: str) -> str:
-    if engine not in ENGINES:
-        raise bad_input(None, f"unknown engine {engine!r} (expected one of {', '.join(ENGINES)})")
-    return engine
-
-
-def _target_facts(drafter: DrafterSpec | None, target: TargetSpec | None) -> tuple[str | None, int | None]:
-    """(family, num_layers) from the target, else from what a draftport-trained drafter recorded."""
-    if target is not None:
-        return target.family, target.num_layers
-    if drafter is not None and (drafter.target_architecture or drafter.target_model_type):
-        fam = target_family(drafter.target_architecture or "", drafter.target_model_type or "")
-        return fam, drafter.target_num_layers
-    return None, drafter.target_num_layers if drafter is not None else None
-
-
-def engine_raw_ids(drafter: DrafterSpec, engine: str) -> tuple[int, ...] | None:
-    """The raw ids `engine` reads from this drafter's config (None: it uses its default).
-
-    `aux_layer_ids` (with `aux_ids_key`) is authoritative for the key it names, so a spec changed
-    with dataclasses.replace(aux_layer_ids=...) maps as changed; the other key comes from the config.
-    """
-    _engine(engine)
-    if engine == "sglang":
-        return drafter.aux_layer_ids if drafter.aux_ids_key == "eagle_config" else drafter.nested_aux_ids
-    return drafter.aux_layer_ids if drafter.aux_ids_key in ("top_level", "speculators") else drafter.top_level_aux_ids
-
-
-def sglang_adds_one(family: str | None, raw_ids, version: tuple[int, ...] | None = None) -> bool:
-    """Does SGLang (at `version`; None: the newest rules) add 1 to these eagle_config ids? (engines.py)"""
-    return _sglang_adds_one(EngineRef("sglang", version), family, raw_ids)
-
-
-def capture_layers(drafter: DrafterSpec, target: TargetSpec | None, engine: str,
-                   version: tuple[int, ...] | None = None) -> list[int]:
-    """THE mapping: raw aux ids in the drafter's config -> the layers `engine` (at `version`) will feed it."""
-    _engine(engine)
-    family, num_layers = _target_facts(drafter, target)
-    raw = engine_raw_ids(drafter, engine)
-    if raw is None:
-        if num_layers is None:
-            raise bad_input(drafter.source, f"{engine} would use its default aux layers, which depend on the "
-                                            "target's layer count: pass a target")
-        return default_aux_layers(num_layers)
-    if engine == "vllm":
-        return list(raw)
-    if family is None and raw[0] != 1:
-        raise bad_input(drafter.source, "which layers SGLang captures for these aux ids depends on the "
-                                        "target family (DeepSeek/Kimi or not): pass a target")
-    return [i + 1 for i in raw] if sglang_adds_one(family, raw, version) else list(raw)
-
-
-def engine_aux_ids(layers: list[int], target: TargetSpec | None, engine: str) -> list[int]:
-    """The inverse: raw ids to write (SGLang: under eagle_config; vLLM: top level) so that
-    `engine` captures exactly `layers`. A missing target is read as a non-DeepSeek family.
-    """
-    _engine(engine)
-    layers = [int(i) for i in layers]
-    if not layers or min(layers) < 0:
-        raise bad_input(None, f"aux layers must be a non-empty list of ids >= 0, got {layers}")
-    layers = list(validate_aux_ids(layers, None, "aux layers"))  # the ids written must keep the fc's column order
-    if target is not None and max(layers) >= target.num_layers:
-        raise bad_input(target.source, f"aux layer {max(layers)} is out of range for a {target.num_layers}-layer target")
-    if engine == "vllm":
-        return layers
-    family = target.family if target is not None else None
-    minus_one = [i - 1 for i in layers]
-    if family != "deepseek":
-        if min(minus_one) < 0:
-            raise bad_input(None, "SGLang adds 1 to eagle_config ids on this target, so it cannot be made to "
-                                  "capture layer 0 (the embeddings)")
-        return minus_one
-    # DeepSeek/Kimi: +1 only when the first id is 1. Prefer the form that starts with 1: older
-    # SGLang releases added 1 unconditionally, so those ids mean the same layers on both.
-    if minus_one[0] == 1 and min(minus_one) >= 0:
-        return minus_one
-    if layers[0] != 1:
-        return layers
-    raise bad_input(None, "SGLang (0.5.23+) cannot be made to capture layer 1 first on a DeepSeek/Kimi target: "
-                          "ids starting with 1 are shifted to 2")
+from draftport.check.engines import (ENGINES, EngineRef, aux_count_problem, drafter_problems, embedding_problem,
+                                     extra_layer_form, target_support)
+from draftport.check.inventory import (FROZEN_OR_TRAINING, VOCAB_BUFFERS, Inventory, TensorInfo, canonical_name,
+                                       expected_inventory)
+from draftport.check.layers import engine_name, capture_layers, engine_raw_ids, sglang_adds_one, sglang_rule_note
+from draftport.check.spec import MLA_ARCHS, SGLANG_ARCHS, DrafterSpec, TargetSpec
+from draftport.errors import DraftportError
 
 
 # ---------------------------------------------------------------------------------------------
@@ -250,7 +154,7 @@ def engine_support(spec: DrafterSpec, inv: Inventory | None, engine: str, about:
 
 def _refs(engines) -> tuple[EngineRef, ...]:
     """Engine names or EngineRefs (a name: the newest rules) -> EngineRefs."""
-    return tuple(e if isinstance(e, EngineRef) else EngineRef(_engine(e)) for e in engines)
+    return tuple(e if isinstance(e, EngineRef) else EngineRef(engine_name(e)) for e in engines)
 
 
 def embedding_findings(spec: DrafterSpec, inv: Inventory | None, target_hidden: int, engines=ENGINES,
@@ -304,7 +208,7 @@ def _explain_capture(spec: DrafterSpec, target: TargetSpec, engine: str, layers:
             rule = "as written: first id is not 1"
         else:
             rule = "+1 because the first id is 1" if EngineRef("sglang", version).at_least((0, 5, 23)) else "+1"
-        note = sglang_rule_note(EngineRef("sglang", version))
+        note = sglang_rule_note(version)
         return f"SGLang captures {layers} (eagle_config ids {list(raw)}, {rule} on DeepSeek/Kimi; {note})"
     return f"SGLang captures {layers} (eagle_config ids {list(raw)} + 1 on {target.family} targets)"
 
@@ -476,139 +380,3 @@ def check_drafters(a: DrafterSpec, b: DrafterSpec, *, inv_a: Inventory | None = 
 
 def _ids_str(ids) -> str:
     return "none (engine default)" if ids is None else str(list(ids))
-
-
-# ---------------------------------------------------------------------------------------------
-# `draftport check`
-@dataclass
-class CheckConfig:
-    drafter: str                 # drafter directory, its config.json, or one .safetensors file beside a config.json
-    other: str | None = None     # a second drafter: can `drafter` replace it behind the same target?
-    target: str | None = None    # target dir, config.json, .gguf, or `gemma-3-270m`
-    engine: str = "both"         # sglang | vllm | both: whose loading and aux-id rules to apply
-    json: bool = False           # print one JSON object on stdout instead of tables
-
-
-def _load_drafter(path: str) -> tuple[DrafterSpec, Inventory]:
-    """A drafter argument -> (spec, inventory of its weights). Pickles are refused, never opened."""
-    if os.path.isfile(path) and path.endswith(PICKLE_SUFFIXES):
-        raise bad_input(path, "is a pickle file; draftport never unpickles weights (convert them to safetensors and "
-                              "pass the drafter directory)")
-    if os.path.isfile(path) and path.endswith(".safetensors"):
-        config, weights = os.path.join(os.path.dirname(path) or ".", "config.json"), path
-        if not os.path.isfile(config):
-            raise bad_input(path, "no config.json beside this safetensors file")
-    else:
-        config = path
-        weights = path if os.path.isdir(path) else (os.path.dirname(path) or ".")
-    spec = load_drafter_spec(config)
-    return spec, read_inventory(weights)
-
-
-def _worst_exit(*verdicts: str | None) -> int:
-    return 1 if any(v in ("partial", "incompatible", "invalid") for v in verdicts) else 0
-
-
-def run_check(cfg: CheckConfig) -> dict:
-    """Everything `check` reports, as the JSON object `--json` prints."""
-    refs = parse_engines(cfg.engine)
-    engines = tuple(r.engine for r in refs)
-    a, inv_a = _load_drafter(cfg.drafter)
-    nbytes = a.bytes_read + inv_a.bytes_read
-    findings = check_drafter(a, inv_a, "drafter")
-    result: dict = {"drafter": cfg.drafter}
-    b = inv_b = target = None
-    if cfg.other is not None:
-        b, inv_b = _load_drafter(cfg.other)
-        nbytes += b.bytes_read + inv_b.bytes_read
-        findings += check_drafter(b, inv_b, "other")
-        result["other"] = cfg.other
-    if cfg.target is not None:
-        target = load_target_spec(cfg.target)
-        nbytes += target.bytes_read
-        result["target"] = cfg.target
-    structural = any(f["severity"] == "error" for f in findings if f.get("about") == "drafter")
-
-    if b is not None:
-        d2t_a = d2t_b = None
-        if "d2t" in inv_a.tensors and "d2t" in inv_b.tensors:  # the only tensor data check ever reads
-            d2t_a, d2t_b = read_d2t(inv_a.source, inv_a), read_d2t(inv_b.source, inv_b)
-            nbytes += d2t_a.nbytes + d2t_b.nbytes
-        verdict, pair, same = check_drafters(a, b, inv_a=inv_a, inv_b=inv_b, target=target, engines=refs,
-                                             d2t_a=d2t_a, d2t_b=d2t_b)
-        findings += pair
-        result["verdict"] = verdict
-        result["transferable_tensors"] = same
-    if target is not None:
-        tf, captured = check_target(a, inv_a, target, refs)
-        findings += tf
-        per_engine = {e: "incompatible" if structural or any(
-            f["severity"] == "error" and f.get("engine") in (None, e) for f in tf) else "compatible" for e in engines}
-        result["target_verdict"] = "incompatible" if "incompatible" in per_engine.values() else "compatible"
-        result["engine_verdicts"] = per_engine
-        result["capture_layers"] = captured
-        result.setdefault("verdict", result["target_verdict"])
-    if b is None and target is None:
-        # without a target the question is "can these engines load this checkpoint as its config
-        # means": what an engine cannot load or would load silently wrong makes it invalid for it
-        ef: list[dict] = []
-        for ref in refs:
-            ef += engine_support(a, inv_a, ref.engine, version=ref.version)
-        if a.target_hidden_size != a.hidden_size:  # the states fc reads are the target's width
-            ef += embedding_findings(a, inv_a, a.target_hidden_size, refs)
-        findings += ef
-        per_engine = {e: "incompatible" if structural or any(f["severity"] == "error" and f.get("engine") == e
-                                                             for f in ef) else "compatible" for e in engines}
-        result["engine_verdicts"] = per_engine
-        result["verdict"] = "invalid" if "incompatible" in per_engine.values() else "valid"
-    result["findings"] = findings
-    result["bytes_read"] = int(nbytes)
-    return {"verdict": result.pop("verdict"), **result}
-
-
-_STYLE = {"error": "bold red", "warning": "yellow", "info": "dim"}
-
-
-def render(result: dict) -> None:
-    from rich.console import Console
-    from rich.markup import escape
-    from rich.table import Table
-
-    console = Console()
-    ok = _worst_exit(result["verdict"], result.get("target_verdict")) == 0
-    line = f"verdict: [bold {'green' if ok else 'red'}]{result['verdict']}[/]"
-    if "target_verdict" in result and "other" in result:
-        line += f"   target: [bold]{result['target_verdict']}[/]"
-    console.print(line)
-    if result.get("engine_verdicts"):
-        console.print("engines: " + ", ".join(f"{e} {v}" for e, v in result["engine_verdicts"].items()))
-    if result.get("capture_layers"):
-        console.print("layers captured: " + ", ".join(f"{e} {ids}" for e, ids in result["capture_layers"].items()))
-    show_engine = any("engine" in f for f in result["findings"])
-    show_about = "other" in result  # only two drafters make "which one" a question
-    table = Table(show_header=True, header_style="bold", box=None, pad_edge=False)
-    table.add_column("severity", no_wrap=True)
-    table.add_column("code", no_wrap=True)
-    if show_engine:
-        table.add_column("engine", no_wrap=True)
-    if show_about:
-        table.add_column("about", no_wrap=True)
-    table.add_column("message", overflow="fold", ratio=1)
-    order = {"error": 0, "warning": 1, "info": 2}
-    for f in sorted(result["findings"], key=lambda f: order[f["severity"]]):
-        row = [f"[{_STYLE[f['severity']]}]{f['severity']}[/]", f["code"]]
-        row += [f.get("engine", "")] if show_engine else []
-        row += [f.get("about", "")] if show_about else []
-        table.add_row(*row, escape(f["message"]))  # messages quote config values: text, never rich markup
-    if result["findings"]:
-        console.print(table)
-    console.print(f"[dim]{result['bytes_read']} bytes read[/]")
-
-
-def main(cfg: CheckConfig) -> int:
-    result = run_check(cfg)
-    if cfg.json:
-        print(json.dumps(result))
-    else:
-        render(result)
-    return _worst_exit(result["verdict"], result.get("target_verdict"))

@@ -136,25 +136,6 @@ def target_support(ref: EngineRef, architecture: str, model_type: str, family: s
 
 
 # ---------------------------------------------------------------------------------------------
-# the SGLang aux-id rule (SG_LLAMA): with eagle_config ids, non-DeepSeek targets capture [i + 1];
-# deepseek_v2.py (DeepSeek-V3, Kimi-K2) adds 1 only when the first id is 1 since SGLang 0.5.23;
-# older releases added 1 always, like Llama. Without ids: [2, L//2, L-3] as is.
-SGLANG_DEEPSEEK_FIRST_ID_RULE = (0, 5, 23)
-
-
-def sglang_adds_one(ref: EngineRef, family: str | None, raw_ids) -> bool:
-    if family == "deepseek" and ref.at_least(SGLANG_DEEPSEEK_FIRST_ID_RULE):
-        return bool(raw_ids) and raw_ids[0] == 1
-    return True
-
-
-def sglang_rule_note(ref: EngineRef) -> str:
-    if ref.at_least(SGLANG_DEEPSEEK_FIRST_ID_RULE):
-        return "SGLang 0.5.23+ rule; older SGLang releases added 1 on DeepSeek/Kimi targets too"
-    return f"{ref.label}: before 0.5.23 SGLang added 1 on DeepSeek/Kimi targets too"
-
-
-# ---------------------------------------------------------------------------------------------
 # which drafter tensors and flags each engine loads
 EAGLE31_FLAGS = ("fc_norm", "norm_output", "norm_before_fc", "norm_before_residual")
 _QKV_MLP_BIAS = re.compile(r"(self_attn\.(q|k|v)_proj|mlp\.(gate|up|down)_proj)\.bias$")

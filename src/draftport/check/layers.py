@@ -1,9 +1,18 @@
-"""Which target layers a drafter reads: the one rule every verb goes through (no torch).
+"""Aux layers: which target layers a drafter reads, and each engine's id conventions (no torch).
 
 Layer ids here are 0-based "input of decoder layer i" ids (hidden_states[i] in HF terms; 0 is the
-embeddings), the form the drafter's fc is trained on. Raw config ids are a different thing: what
-each engine does with them is `compat.capture_layers` (and its inverse `compat.engine_aux_ids`),
-the one place that knows SGLang's and vLLM's conventions.
+embeddings), the form the drafter's fc is trained on. Raw config ids are a different thing: what each
+engine does with them is `capture_layers` (and its inverse `engine_aux_ids`), the one place that knows
+SGLang's and vLLM's conventions. Both engines append `hidden + residual` *before* running layer i when i
+is in their capture list:
+- SGLang reads only `eagle_config.eagle_aux_hidden_state_layer_ids` (model_runner.py). Without it,
+  `set_eagle3_layers_to_capture(None)` captures [2, L//2, L-3] as is (llama.py, qwen3.py, deepseek_v2.py,
+  gemma3_causal.py: no +1 on the default). With ids, Llama/Qwen/Gemma and the other non-DeepSeek models
+  capture `[i + 1 for i in ids]`; deepseek_v2.py (DeepSeek-V3, Kimi-K2) adds 1 only when the first id is
+  1 (SGLang 0.5.23+; older releases added 1 always, like Llama).
+- vLLM reads only a top-level `eagle_aux_hidden_state_layer_ids`
+  (eagle3_utils.get_eagle3_aux_layers_from_config) and uses the ids as they are; without it, the
+  model's default (2, L//2, L-3).
 
 Precedence (`resolve_aux_layers`):
 1. explicit ids (`--aux-layers`, a store's recorded layers, a study's chosen layers);
@@ -21,9 +30,31 @@ export writes) they go through `validate_aux_ids`: unique and ascending, or refu
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from draftport.check.spec import DrafterSpec, TargetSpec
+from draftport.check.engines import ENGINES, EngineRef
 from draftport.errors import bad_input
+
+if TYPE_CHECKING:  # annotations only: spec.py imports this module
+    from draftport.check.spec import DrafterSpec, TargetSpec
+
+# SGLang's DeepSeek/Kimi rule (SG_LLAMA in engines.py: deepseek_v2.py) changed in this release: since
+# then the +1 applies only when the first id is 1.
+SGLANG_DEEPSEEK_FIRST_ID_RULE = (0, 5, 23)
+
+
+def target_family(architecture: str, model_type: str) -> str:
+    """The family decides SGLang's aux-id rule: DeepSeek-V3 / Kimi-K2 code differs from the rest."""
+    names = f"{architecture} {model_type}".lower()
+    if "deepseek" in names or "kimi" in names:
+        return "deepseek"
+    if "gemma" in names:
+        return "gemma3"
+    if "qwen" in names:
+        return "qwen"
+    if "llama" in names or "mistral" in names:
+        return "llama"
+    return "other"
 
 
 def default_aux_layers(num_layers: int) -> list[int]:
@@ -79,10 +110,98 @@ def resolve_aux_layers(spec: DrafterSpec | None, target: TargetSpec | None = Non
         if target is None:
             raise bad_input(None, "the default aux layers depend on the target's layer count: pass a target")
         return AuxLayers(default_aux_layers(target.num_layers), "default")
-    # compat owns the engines' conventions and uses this module's default, so it is imported here
-    # rather than at module top (the import then goes one way when both load)
-    from draftport.check.compat import capture_layers, engine_raw_ids
-
     eng = engine or native_engine(spec)
     layers = capture_layers(spec, target, eng)
     return AuxLayers(layers, f"{eng} config" if engine_raw_ids(spec, eng) is not None else "default")
+
+
+def engine_name(engine: str) -> str:
+    if engine not in ENGINES:
+        raise bad_input(None, f"unknown engine {engine!r} (expected one of {', '.join(ENGINES)})")
+    return engine
+
+
+def _target_facts(drafter: DrafterSpec | None, target: TargetSpec | None) -> tuple[str | None, int | None]:
+    """(family, num_layers) from the target, else from what a draftport-trained drafter recorded."""
+    if target is not None:
+        return target.family, target.num_layers
+    if drafter is not None and (drafter.target_architecture or drafter.target_model_type):
+        fam = target_family(drafter.target_architecture or "", drafter.target_model_type or "")
+        return fam, drafter.target_num_layers
+    return None, drafter.target_num_layers if drafter is not None else None
+
+
+def engine_raw_ids(drafter: DrafterSpec, engine: str) -> tuple[int, ...] | None:
+    """The raw ids `engine` reads from this drafter's config (None: it uses its default).
+
+    `aux_layer_ids` (with `aux_ids_key`) is authoritative for the key it names, so a spec changed
+    with dataclasses.replace(aux_layer_ids=...) maps as changed; the other key comes from the config.
+    """
+    engine_name(engine)
+    if engine == "sglang":
+        return drafter.aux_layer_ids if drafter.aux_ids_key == "eagle_config" else drafter.nested_aux_ids
+    return drafter.aux_layer_ids if drafter.aux_ids_key in ("top_level", "speculators") else drafter.top_level_aux_ids
+
+
+def sglang_adds_one(family: str | None, raw_ids, version: tuple[int, ...] | None = None) -> bool:
+    """Does SGLang (at `version`; None: the newest rules) add 1 to these eagle_config ids?"""
+    if family == "deepseek" and EngineRef("sglang", version).at_least(SGLANG_DEEPSEEK_FIRST_ID_RULE):
+        return bool(raw_ids) and raw_ids[0] == 1
+    return True
+
+
+def sglang_rule_note(version: tuple[int, ...] | None = None) -> str:
+    """Which SGLang DeepSeek/Kimi rule a verdict used, said beside it."""
+    ref = EngineRef("sglang", version)
+    if ref.at_least(SGLANG_DEEPSEEK_FIRST_ID_RULE):
+        return "SGLang 0.5.23+ rule; older SGLang releases added 1 on DeepSeek/Kimi targets too"
+    return f"{ref.label}: before 0.5.23 SGLang added 1 on DeepSeek/Kimi targets too"
+
+
+def capture_layers(drafter: DrafterSpec, target: TargetSpec | None, engine: str,
+                   version: tuple[int, ...] | None = None) -> list[int]:
+    """THE mapping: raw aux ids in the drafter's config -> the layers `engine` (at `version`) will feed it."""
+    engine_name(engine)
+    family, num_layers = _target_facts(drafter, target)
+    raw = engine_raw_ids(drafter, engine)
+    if raw is None:
+        if num_layers is None:
+            raise bad_input(drafter.source, f"{engine} would use its default aux layers, which depend on the "
+                                            "target's layer count: pass a target")
+        return default_aux_layers(num_layers)
+    if engine == "vllm":
+        return list(raw)
+    if family is None and raw[0] != 1:
+        raise bad_input(drafter.source, "which layers SGLang captures for these aux ids depends on the "
+                                        "target family (DeepSeek/Kimi or not): pass a target")
+    return [i + 1 for i in raw] if sglang_adds_one(family, raw, version) else list(raw)
+
+
+def engine_aux_ids(layers: list[int], target: TargetSpec | None, engine: str) -> list[int]:
+    """The inverse: raw ids to write (SGLang: under eagle_config; vLLM: top level) so that
+    `engine` captures exactly `layers`. A missing target is read as a non-DeepSeek family.
+    """
+    engine_name(engine)
+    layers = [int(i) for i in layers]
+    if not layers or min(layers) < 0:
+        raise bad_input(None, f"aux layers must be a non-empty list of ids >= 0, got {layers}")
+    layers = list(validate_aux_ids(layers, None, "aux layers"))  # the ids written must keep the fc's column order
+    if target is not None and max(layers) >= target.num_layers:
+        raise bad_input(target.source, f"aux layer {max(layers)} is out of range for a {target.num_layers}-layer target")
+    if engine == "vllm":
+        return layers
+    family = target.family if target is not None else None
+    minus_one = [i - 1 for i in layers]
+    if family != "deepseek":
+        if min(minus_one) < 0:
+            raise bad_input(None, "SGLang adds 1 to eagle_config ids on this target, so it cannot be made to "
+                                  "capture layer 0 (the embeddings)")
+        return minus_one
+    # DeepSeek/Kimi: +1 only when the first id is 1. Prefer the form that starts with 1: older
+    # SGLang releases added 1 unconditionally, so those ids mean the same layers on both.
+    if minus_one[0] == 1 and min(minus_one) >= 0:
+        return minus_one
+    if layers[0] != 1:
+        return layers
+    raise bad_input(None, "SGLang (0.5.23+) cannot be made to capture layer 1 first on a DeepSeek/Kimi target: "
+                          "ids starting with 1 are shifted to 2")

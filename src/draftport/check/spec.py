@@ -13,6 +13,7 @@ import struct
 from dataclasses import dataclass, field
 from typing import Any
 
+from draftport.check.layers import target_family, validate_aux_ids
 from draftport.errors import bad_input
 from draftport.safeio import read_json
 
@@ -181,8 +182,6 @@ def _ids(v: Any, key: str, source: str) -> tuple[int, ...] | None:
     if not isinstance(v, list) or not v or not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
         raise bad_input(source, f"'{key}' must be a non-empty list of integers, got {v!r}"[:200])
     # duplicates and unsorted ids are refused where they enter (layers.validate_aux_ids says why);
-    # imported here: check/layers.py reads this module's specs at its top
-    from draftport.check.layers import validate_aux_ids
 
     return validate_aux_ids(v, source, f"'{key}'")
 
@@ -364,20 +363,6 @@ def _with_bytes(spec, n: int):
 
 # ---------------------------------------------------------------------------------------------
 # targets
-def target_family(architecture: str, model_type: str) -> str:
-    """The family decides SGLang's aux-id rule: DeepSeek-V3 / Kimi-K2 code differs from the rest."""
-    names = f"{architecture} {model_type}".lower()
-    if "deepseek" in names or "kimi" in names:
-        return "deepseek"
-    if "gemma" in names:
-        return "gemma3"
-    if "qwen" in names:
-        return "qwen"
-    if "llama" in names or "mistral" in names:
-        return "llama"
-    return "other"
-
-
 def target_spec_from_dict(d: dict, source: str = "<dict>") -> TargetSpec:
     """Normalise a target config; wrappers keep the language model under `text_config`."""
     if not isinstance(d, dict):

@@ -253,7 +253,7 @@ def _recorded_target(spec: DrafterSpec) -> TargetSpec | None:
         except DraftportError:
             pass
     if spec.target_num_layers and (spec.target_architecture or spec.target_model_type):
-        from draftport.check.spec import target_family
+        from draftport.check.layers import target_family
         arch, mt = spec.target_architecture or "", spec.target_model_type or ""
         return TargetSpec(source=f"{spec.source} (recorded target)", architecture=arch or mt, model_type=mt,
                           family=target_family(arch, mt), hidden_size=spec.target_hidden_size,
@@ -286,7 +286,7 @@ def plan_aux_ids(spec: DrafterSpec, target=None, layers: list[int] | None = None
     """Which layers the drafter expects (check/layers.py's rule: explicit `layers` > recorded
     trained_layers > what its config makes its native engine capture) and the raw ids that make each
     engine capture them."""
-    from draftport.check.compat import engine_aux_ids
+    from draftport.check.layers import engine_aux_ids
     from draftport.check.layers import resolve_aux_layers
 
     tspec, tpath = _resolve_target(target)

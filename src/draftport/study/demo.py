@@ -71,7 +71,7 @@ class DemoConfig:
 
 def stage_check(cfg: DemoConfig) -> dict:
     """Two questions from the seed, answered from config.json files alone."""
-    from draftport.check.compat import CheckConfig, run_check
+    from draftport.verbs.check import CheckConfig, run_check
 
     kimi = os.path.join(cfg.examples, "drafter-kimi-k2-eagle3-aqmedai")
     dsv3 = os.path.join(cfg.examples, "drafter-deepseek-v3-eagle3-sglang")
@@ -95,7 +95,7 @@ def stage_check(cfg: DemoConfig) -> dict:
 
 def stage_economics() -> dict:
     """The seed's arithmetic: its depth-3 chain, and the same at unbounded depth."""
-    from draftport.economics import EconomicsConfig, compute
+    from draftport.verbs.economics import EconomicsConfig, compute
 
     out = {}
     for key, depth in (("chain", SEED["depth"]), ("unbounded", None)):

@@ -375,7 +375,7 @@ def fit_errors(findings: list[dict]) -> list[str]:
 
 
 def stage_check(cfg: StudyConfig) -> dict:
-    from draftport.check.compat import CheckConfig, run_check
+    from draftport.verbs.check import CheckConfig, run_check
 
     result = run_check(CheckConfig(drafter=cfg.drafter_a, target=cfg.target_b, engine="both"))
     errors = [f for f in result["findings"] if f["severity"] == "error"]

@@ -84,7 +84,7 @@ def drafter_config(target, layers: list[int], vocab_size: int, draft_vocab_size:
                    intermediate_size: int | None = None) -> dict:
     """SGLang LlamaForCausalLMEagle3 config of a fresh drafter shaped after the target (MLP width: the target's
     unless `intermediate_size` is given)."""
-    from draftport.check.compat import engine_aux_ids
+    from draftport.check.layers import engine_aux_ids
 
     s = target.spec
     width = intermediate_size or s.intermediate_size or 4 * target.hidden_size
