@@ -238,7 +238,7 @@ def test_flex_decode_attention_equals_dense(family):
 def test_flex_block_masks_match_the_dense_masks():
     """row_block_masks' blocks and mask_mod allow exactly row_masks' slots (causal, and the window), and each row's
     block count is what its position needs."""
-    from draftport.decode.batch import row_block_masks, row_masks, visible
+    from draftport.model.kvcache import row_block_masks, row_masks, visible
 
     S, block = 48, 8
     pos = torch.tensor([0, 7, 8, 30, 47])

@@ -147,7 +147,7 @@ def test_tree_verify_and_kv_compaction_match_full_forward(targets, family):
         assert torch.allclose(logits[i], ref, atol=1e-3), i
     # accept the path 0 → 2 → 5 → 7: move its KV to slots P..P+3, then decode one more token
     path = torch.tensor([0, 2, 5, 7])
-    eng.cache.move(P + path, P + torch.arange(4))
+    eng.cache.move_slots(P + path, P + torch.arange(4))
     nxt = torch.tensor([7])
     step, _ = eng.target_pass(nxt, torch.tensor(P + 4), torch.zeros(1, dtype=torch.long), torch.ones(1, 1, dtype=torch.bool))
     ref = t.model(torch.cat([prompt, tokens[path], nxt])[None]).logits[0, -1]

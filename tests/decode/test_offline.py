@@ -35,7 +35,8 @@ def greedy(target, prompt_ids: list[int], n: int) -> list[int]:
 def train_tiny_drafter(target, sequences: list[list[int]], depth: int = 3, steps: int = 30, corrupt: float = 0.2,
                        seed: int = 0):
     """TTT with hard labels (the target's argmax, a fraction replaced by random ids) on the given sequences."""
-    from draftport.model.drafter import Eagle3Drafter, TTTCache
+    from draftport.model.drafter import Eagle3Drafter
+    from draftport.model.kvcache import TTTCache
 
     d = Eagle3Drafter.from_config(drafter_config(target), seed=seed)
     d.set_embedding(target.embed_weight)
@@ -119,7 +120,7 @@ def test_offline_walk_equals_online_cycles(setup, depth):
 def test_chains_match_static_cache_decoding_on_foreign_text(setup):
     """On text the target did not write, each simulated chain still equals a chain decoded through the
     drafter's static cache: real rows 0..t, then drafts fed back as the next token (not the data's)."""
-    from draftport.model.drafter import causal_cache_mask
+    from draftport.model.kvcache import causal_cache_mask
     from draftport.decode.offline import simulate_chains
 
     target, drafter, prompts = setup

@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from draftport.model.drafter import (Eagle3Drafter, StaticKVCache, TTTCache, causal_cache_mask, cached_attention,
-                               ttt_attention)
+from draftport.model.drafter import Eagle3Drafter, cached_attention, ttt_attention
+from draftport.model.kvcache import KVCache, TTTCache, causal_cache_mask
 from draftport.errors import DraftportError
 
 V, VD, H = 96, 40, 32
@@ -266,10 +266,13 @@ def test_unset_embedding_and_bad_aux_width_are_one_line_errors():
 def test_static_cache_is_written_in_place():
     m = make(tiny_config())
     cache = m.new_cache(1, 8)
-    k_ptr = cache.k.data_ptr()
+    ptrs = [(layer.keys.data_ptr(), layer.values.data_ptr()) for layer in cache.layers]
     aux, ids = inputs(m, 1, 3)
     p = torch.arange(3)
     with torch.no_grad():
         m.step(m.project(aux), ids, p, cache, cache_positions=p, attn_mask=causal_cache_mask(p, 8))
-    assert isinstance(cache, StaticKVCache) and cache.k.data_ptr() == k_ptr
-    assert cache.k[:, :, :, :3].abs().sum() > 0 and cache.k[:, :, :, 3:].abs().sum() == 0
+    assert isinstance(cache, KVCache)
+    assert [(layer.keys.data_ptr(), layer.values.data_ptr()) for layer in cache.layers] == ptrs
+    for layer in cache.layers:
+        for buf in (layer.keys, layer.values):
+            assert buf[:, :, :3].abs().sum() > 0 and buf[:, :, 3:].abs().sum() == 0

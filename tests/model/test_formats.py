@@ -17,7 +17,8 @@ from safetensors.torch import load_file, save_file
 
 from draftport import cli
 from draftport.check.layers import capture_layers
-from draftport.model.drafter import Eagle3Drafter, TTTCache
+from draftport.model.drafter import Eagle3Drafter
+from draftport.model.kvcache import TTTCache
 from draftport.errors import DraftportError
 from draftport.model.formats import canonical_name, layout_name, load_drafter, save_drafter
 from draftport.check.inventory import expected_inventory, read_inventory

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from draftport.decode.engine import EngineConfig, SpecEngine
-from draftport.model.fusion import FusedTarget, rms_norm_unit_offset, rms_norm_weight_after_cast
+from draftport.model.fusion import FusedTarget
+from draftport.model.ops import rms_norm_unit_offset, rms_norm_weight_after_cast
 from draftport.model.target import tiny_target
 
 
@@ -91,7 +92,8 @@ def test_compiled_fusion_keeps_greedy_on_cpu():
 def test_rotary_replacement_accepts_any_callable():
     """The rotary check calls the modelling function only as a reference: a callable object without
     __code__ (transformers 5.25's kernels wrapper) is fused; a partial-rotary function is left eager."""
-    from draftport.model.fusion import FusedTarget, rotary_half_split
+    from draftport.model.fusion import FusedTarget
+    from draftport.model.ops import rotary_half_split
 
     t = tiny_target("llama")
 

@@ -1,7 +1,7 @@
 """model/native.py: the native decoder == the HF forward (fp32, CPU) for Llama, Qwen2, Qwen3 and Gemma-3.
 
 Each family's tiny random model (target.tiny_target) runs a prefill, a 1-token step after it and a k-token
-verify through the native decoder over the engine's static cache (decode/graphs.SlotCache), and the logits
+verify through the native decoder over the engine's static cache (model/kvcache.KVCache), and the logits
 and aux states (HF's output_hidden_states[i], i in 0..L) are compared with one full HF forward over the
 whole sequence. Gemma-3's sliding window (8) is shorter than the sequences, its local and global RoPE bases
 differ, and a query_pre_attn_scalar other than head_dim is tested on its own. Biases (Qwen2's qkv, a
@@ -20,8 +20,7 @@ import shutil
 import pytest
 import torch
 
-from draftport.decode.batch import RowCache, row_masks
-from draftport.decode.graphs import SlotCache, attention_layout
+from draftport.model.kvcache import KVCache, attention_layout, row_masks
 from draftport.model import native
 from draftport.model.native import NativeDecoder, attend, native_decoder, unsupported_reason
 from draftport.model.target import tiny_target
@@ -113,7 +112,7 @@ def test_prefill_step_and_verify_match_hf(targets, family, small_rows, invariant
     aux_ids = _aux_ids(t)
     ref_logits, ref_aux = _reference(t, seq, aux_ids)
     dec = NativeDecoder(t.model, positions=S)
-    cache = SlotCache(t.num_layers, S)
+    cache = KVCache(t.num_layers, S)
     # prefill: every row's logits and aux states
     out = run(dec, cache, seq, 0, P, S, aux_ids)
     assert torch.allclose(out.logits[0], ref_logits[:P], atol=ATOL)
@@ -127,7 +126,7 @@ def test_prefill_step_and_verify_match_hf(targets, family, small_rows, invariant
     assert torch.allclose(out.logits[0], ref_logits[P + 1:P + 1 + k], atol=ATOL)
     assert _close_aux(out.aux[0], ref_aux[P + 1:P + 1 + k])
     # last-row logits only (the engine's prefill), same values
-    cache2 = SlotCache(t.num_layers, S)
+    cache2 = KVCache(t.num_layers, S)
     last = run(dec, cache2, seq, 0, P, S, (), logits="last")
     assert last.aux is None and last.logits.shape[1] == 1
     assert torch.allclose(last.logits[0, 0], ref_logits[P - 1], atol=ATOL)
@@ -147,7 +146,7 @@ def test_calls_sdpa_says_which_passes_reach_sdpa(targets, small_rows, monkeypatc
     assert G > 1  # the threshold counts folded rows, G per token
     for T in (1, 4, 12):
         calls.clear()
-        _run(dec, SlotCache(t.num_layers, 32), _seq(2, T), 0, T, 32, ())
+        _run(dec, KVCache(t.num_layers, 32), _seq(2, T), 0, T, 32, ())
         assert bool(calls) == dec.calls_sdpa(T) == (G * T > small_rows), (T, G)
 
 
@@ -165,11 +164,11 @@ def test_gemma3_sliding_window_and_rope_bases():
     dec = NativeDecoder(t.model, positions=S)
     cos_local, cos_global = dec._tables["sliding_attention"][0], dec._tables["full_attention"][0]
     assert not torch.allclose(cos_local[5], cos_global[5])  # two bases, two tables
-    out = _run(dec, SlotCache(t.num_layers, S), seq, 0, total, S, aux_ids)
+    out = _run(dec, KVCache(t.num_layers, S), seq, 0, total, S, aux_ids)
     assert torch.allclose(out.logits[0], ref_logits, atol=ATOL)
     assert _close_aux(out.aux[0], ref_aux)
     pos = torch.arange(total)
-    cache = SlotCache(t.num_layers, S)
+    cache = KVCache(t.num_layers, S)
     cache.slots = pos
     with torch.no_grad():
         wide = dec.forward(seq, pos[None], _masks(t.model, pos, S, full_only=True), cache)
@@ -193,7 +192,7 @@ def test_invariant_attention_multiplies_one_shape_for_every_pass(targets, monkey
                         or real(a, b))
 
     def passes(invariant):
-        cache = SlotCache(t.num_layers, S)
+        cache = KVCache(t.num_layers, S)
         _run(dec, cache, seq, 0, P, S, (), invariant=invariant)  # the prompt
         shapes.clear()
         _run(dec, cache, seq, P, P + 1, S, (), invariant=invariant)  # a step
@@ -238,7 +237,7 @@ def test_invariant_linear_rows_one_shape_and_one_row(targets, monkeypatch):
     monkeypatch.setattr(native.F, "linear", lambda x, *a: rows.append(x.numel() // x.shape[-1]) or real(x, *a))
 
     def passes(T):
-        cache = SlotCache(t.num_layers, S)
+        cache = KVCache(t.num_layers, S)
         _run(dec, cache, seq, 0, P, S, (), invariant=True)  # the prompt
         rows.clear()
         out = _run(dec, cache, seq, P, P + T, S, (), invariant=True)
@@ -303,13 +302,13 @@ def test_weights_are_shared_not_copied():
 
 
 def test_batched_rows_with_their_own_positions(targets):
-    """Two rows of different lengths in a RowCache (decode/batch.py's per-row slots and masks): each row's
+    """Two rows of different lengths in a KVCache with per-row slots (decode/batch.py's slots and masks): each row's
     last-position logits == HF's full forward of that row alone."""
     t = targets["gemma3"]
     dec = native_decoder(t.model, positions=64)
     S = 32
     types, windows = attention_layout(t.model.config)
-    cache = RowCache(t.num_layers, 2, S)
+    cache = KVCache(t.num_layers, S, batch=2)
     a, b = _seq(5, 14)[0], _seq(6, 9)[0]
     ids = torch.zeros(2, 14, dtype=torch.long)
     ids[0], ids[1, :9] = a, b
@@ -365,7 +364,7 @@ def test_whole_pass_compiles_as_one_graph_and_matches_plain(family, backend):
     whole = NativeDecoder(t.model, positions=S)
     whole.enable_compile("whole", backend=backend, fullgraph=True)
     assert whole.compiled_scope("whole") and not whole.compiled_scope("layer")
-    c_plain, c_whole = SlotCache(t.num_layers, S), SlotCache(t.num_layers, S)
+    c_plain, c_whole = KVCache(t.num_layers, S), KVCache(t.num_layers, S)
     for start, end in [(0, P)] + [(i, i + 1) for i in range(P, total)]:
         a = _run(plain, c_plain, seq, start, end, S, aux_ids)
         pos = torch.arange(start, end)

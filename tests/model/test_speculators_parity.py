@@ -19,7 +19,8 @@ from conftest import reference_module  # noqa: E402
 
 speculators_eagle3 = reference_module("speculators.models.eagle3")  # under CI: fails when missing
 
-from draftport.model.drafter import Eagle3Drafter, TTTCache  # noqa: E402
+from draftport.model.drafter import Eagle3Drafter  # noqa: E402
+from draftport.model.kvcache import TTTCache
 
 V, VD, H, L = 96, 40, 32, 8
 LAYER = {"model_type": "llama", "hidden_size": H, "intermediate_size": 48, "num_attention_heads": 4,

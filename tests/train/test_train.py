@@ -398,7 +398,7 @@ def test_ttt_losses_and_logits_equal_specforge_v020():
     and logits. Its loss is a masked sum over all B·T positions, so the counts passed are B·T."""
     import torch.nn.functional as F
 
-    from draftport.model.drafter import TTTCache
+    from draftport.model.kvcache import TTTCache
     from draftport.train.losses import shift_left
     from draftport.train.ttt import TTTModel
 
@@ -421,7 +421,7 @@ def test_ttt_losses_and_logits_equal_specforge_v020():
 def _old_ttt_forward(d, k, aux, ids0, mask0, target0, argmax0, counts, chunk):
     """The trainer's step with lm_head outside the loss (the unfused reference): [B, T, Vd] logits from
     drafter.step, soft_ce_chunked over draft-vocab chunks, rescaled from the local to the global count."""
-    from draftport.model.drafter import TTTCache
+    from draftport.model.kvcache import TTTCache
     from draftport.train.losses import position_valid, shift_left, soft_ce_chunked, step_accuracy
 
     B, T = ids0.shape
@@ -447,7 +447,8 @@ def test_fused_lm_head_loss_equals_the_logits_path(norm_output):
     the loss, per-step stats, hits and every parameter gradient of the logits-then-loss path."""
     import torch.nn.functional as F
 
-    from draftport.model.drafter import Eagle3Drafter, TTTCache
+    from draftport.model.drafter import Eagle3Drafter
+    from draftport.model.kvcache import TTTCache
     from draftport.train.losses import shift_left
     from draftport.train.ttt import TTTModel
 

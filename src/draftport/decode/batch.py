@@ -5,7 +5,7 @@ Layout: row r of the cache holds one sequence; its token at position p lives in 
 different prompt lengths share the cache with no padding inside a sequence (HF's left padding shifts
 positions and needs a mask over the pad; here nothing shifts). Each forward passes per-row
 position_ids and a per-row 4D mask (slot j visible to a query at position p iff j <= p, and p - j <
-window on sliding layers), built the same way as decode/engine.py's masks.
+window on sliding layers: model/kvcache.row_masks), in model/kvcache.KVCache's per-row form.
 
     prefill  new rows' prompts, several rows a forward (right-padded to the longest piece, at most
              cfg.prefill_tokens query tokens a forward; a longer prompt goes in pieces); the pad tail writes
@@ -41,12 +41,10 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
-from torch.nn.attention.flex_attention import BlockMask
-from transformers.cache_utils import Cache, CacheLayerMixin
 
 from draftport.decode import sampling
-from draftport.decode.graphs import attention_layout
 from draftport.errors import DraftportError
+from draftport.model.kvcache import KVCache, attention_layout, row_block_masks, row_masks, visible
 from draftport.model.native import (PREFILL_SCOPE, SMALL_QUERY_ROWS, check_target_pass, choose_target_pass,
                                     native_decoder)
 
@@ -91,116 +89,6 @@ class BatchConfig:
             raise DraftportError(f"decode_attention must be one of {', '.join(DECODE_ATTENTION)} and flex_block >= 1 "
                                  f"(got {self.decode_attention!r}, {self.flex_block})")
         return self
-
-
-# ---------------------------------------------------------------------------------------------
-# The cache: B rows, each written at its own slots
-# ---------------------------------------------------------------------------------------------
-
-class _RowLayer(CacheLayerMixin):
-    """One layer's K/V [B, Hkv, S, D]. `update` writes the new keys [b, Hkv, T, D] at the owner's
-    per-row `slots` [b, T], into all rows (owner.rows None: the decode step) or into rows
-    owner.rows [b] (a prefill), and returns those rows' whole buffers (the 4D mask does the rest); a fresh
-    prefill (owner.fresh: every row's piece starts at slot 0) returns the new keys alone, since its queries
-    can see no other."""
-
-    is_compileable = True
-    is_sliding = False  # sliding windows live in the mask, as in decode/graphs.py
-
-    def __init__(self, owner: "RowCache"):
-        super().__init__()
-        self.owner = owner
-
-    def lazy_initialization(self, key_states, value_states):
-        H, D = key_states.shape[1], key_states.shape[-1]
-        self.keys = key_states.new_zeros(self.owner.batch, H, self.owner.max_len, D)
-        self.values = value_states.new_zeros(self.owner.batch, H, self.owner.max_len, value_states.shape[-1])
-        self.device, self.is_initialized = key_states.device, True
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        slots, rows = self.owner.slots, self.owner.rows
-        idx = slots[:, None, :, None]
-        if rows is None:
-            self.keys.scatter_(2, idx.expand_as(key_states), key_states)
-            self.values.scatter_(2, idx.expand_as(value_states), value_states)
-            return self.keys, self.values
-        if self.owner.fresh:  # written in place: no copy of the rows' whole buffers out and back
-            at = (rows[:, None], slice(None), slots)                         # → [b, T, Hkv, D]
-            self.keys[at] = key_states.transpose(1, 2)
-            self.values[at] = value_states.transpose(1, 2)
-            return key_states, value_states
-        k, v = self.keys.index_select(0, rows), self.values.index_select(0, rows)
-        k.scatter_(2, idx.expand_as(key_states), key_states)
-        v.scatter_(2, idx.expand_as(value_states), value_states)
-        self.keys.index_copy_(0, rows, k)
-        self.values.index_copy_(0, rows, v)
-        return k, v
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.owner.max_len, 0
-
-    def get_seq_length(self) -> int:
-        return 0  # unused: every forward passes position_ids and a prepared mask
-
-    def get_max_length(self) -> int:
-        return self.owner.max_len
-
-
-class RowCache(Cache):
-    def __init__(self, num_layers: int, batch: int, max_len: int):
-        self.batch, self.max_len = batch, max_len
-        self.slots: torch.Tensor | None = None  # [b, T] int64, set before each forward
-        self.rows: torch.Tensor | None = None   # [b] int64 rows of a prefill; None = all B rows
-        self.fresh = False                      # a prefill of first pieces: attend over the new keys alone
-        super().__init__(layers=[_RowLayer(self) for _ in range(num_layers)])
-
-
-def row_masks(qpos: torch.Tensor, S: int, layer_types, windows, dtype,
-              kpos: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-    """{layer type: additive mask [b, 1, T, S]} for queries at positions qpos [b, T] over a cache whose
-    slot j holds position j: causal, plus the sliding window on sliding layers. kpos [b, K]: the keys'
-    positions instead of the S slots (a fresh prefill's own keys: [b, 1, T, T])."""
-    keys = torch.arange(S, device=qpos.device)[None, None, :] if kpos is None else kpos[:, None, :]
-    allowed = keys <= qpos[:, :, None]                                   # [b, T, S or K]
-    neg = torch.finfo(dtype).min
-    masks = {}
-    for kind, window in zip(layer_types, windows):
-        ok = allowed if window is None else allowed & (qpos[:, :, None] - keys < window)
-        masks[kind] = torch.zeros(ok.shape, dtype=dtype, device=qpos.device).masked_fill(~ok, neg)[:, None]
-    return masks
-
-
-def visible(pos: torch.Tensor, window: int | None):
-    """A flex mask_mod: row b's one query, at position pos[b], sees slot kv iff kv <= pos[b] (and pos[b] - kv <
-    window on a sliding layer), row_masks' rule. pos is read when the kernel runs, so one function per layer type
-    serves every step (a new function each step would be a new graph to compile)."""
-    if window is None:
-        def mask_mod(b, h, q_idx, kv_idx):
-            return kv_idx <= pos[b]
-    else:
-        def mask_mod(b, h, q_idx, kv_idx):
-            p = pos[b]
-            return (kv_idx <= p) & (p - kv_idx < window)
-    return mask_mod
-
-
-def row_block_masks(pos: torch.Tensor, S: int, layer_types, windows, mask_mods: dict, block: int) -> dict:
-    """{layer type: flex BlockMask} for one query a row at positions pos [B] over S slots: row b reads the blocks
-    from the one holding its first visible slot (0, or pos - window + 1) to the one holding pos, and the mask_mod
-    masks inside them. Made of tensor ops on pos, so a CUDA graph recomputes it at every replay."""
-    nb = -(-S // block)
-    last = pos // block
-    ar = torch.arange(nb, device=pos.device)
-    out = {}
-    for kind, window in zip(layer_types, windows):
-        first = torch.zeros_like(pos) if window is None else (pos - window + 1).clamp(min=0) // block
-        num = (last - first + 1).to(torch.int32)[:, None, None]                             # [B, 1, 1]
-        idx = (first[:, None] + ar).clamp(max=nb - 1).to(torch.int32)[:, None, None, :]      # [B, 1, 1, nb]
-        out[kind] = BlockMask.from_kv_blocks(num, idx, BLOCK_SIZE=block, mask_mod=mask_mods[kind],
-                                             seq_lengths=(1, S), compute_q_blocks=False)
-    return out
 
 
 def fill_order(lengths: Sequence[int], budget: int) -> list[list[tuple[int, int, int]]]:
@@ -249,8 +137,8 @@ class BatchGenerator:
         B, S = self.cfg.batch_size, self.cfg.max_len
         self.B, self.S = B, S
         self.W = S  # output columns per row; column W is where inactive rows write (never read)
-        self.cache = RowCache(int(text.num_hidden_layers), B, S)
-        # the native decoder reads per-row positions and [b, 1, T, S] masks and writes through RowCache's
+        self.cache = KVCache(int(text.num_hidden_layers), S, batch=B)
+        # the native decoder reads per-row positions and [b, 1, T, S] masks and writes through the cache's
         # layers as HF's forward does, so the batch takes it as it is (one decoder per model, shared with the
         # engines over it: a forward runs the compiled functions only when it asks for them)
         self.target_pass_kind = choose_target_pass(model, self.cfg.target_pass)
@@ -434,9 +322,7 @@ class BatchGenerator:
             dst = torch.tensor([rows[j] for j, _ in copies], dtype=torch.long, device=dev)
             src = torch.tensor([rows[i] for _, i in copies], dtype=torch.long, device=dev)
             n = max(lengths[j] for j, _ in copies)
-            for layer in self.cache.layers:
-                layer.keys[dst, :, :n] = layer.keys[src, :, :n]
-                layer.values[dst, :, :n] = layer.values[src, :, :n]
+            self.cache.copy_rows(src, dst, n)
         # the head over the prefilled rows only, then a row per prompt (its lead's logits) for the first draw
         logits = self.target.logits(last)
         logits = logits[torch.tensor([at[lead[src]] for src in sources], device=dev)]      # [b, V]

@@ -17,9 +17,9 @@ The target is driven through HF's own forward (any decoder-only model target.py 
 (or a {layer type: mask} dict for models with sliding layers), which HF's mask builders pass through
 unchanged. On CUDA the verify pass and the draft steps replay from CUDA graphs (greedy cycles after
 the first replay their whole draft phase as one graph); on CPU they run eagerly.
-The static cache, the graph capture and the attention-kernel choice live in decode/graphs.py (the
-engine holds a `GraphSet`, `self.graphs`: its graphs, their pools and each target pass's kernel); this
-module holds the engine's configuration, its passes and the drafting cycles.
+The static caches and their masks are model/kvcache.py's; the graph capture and the attention-kernel
+choice live in decode/graphs.py (the engine holds a `GraphSet`, `self.graphs`: its graphs, their pools and
+each target pass's kernel); this module holds the engine's configuration, its passes and the drafting cycles.
 
 Prompt lookup (`lookup=decode/ngram.PromptLookup(...)`) drafts from the context instead of (or, the
 hybrid, beside) a trained drafter: after each accept one graphed function writes the emitted tokens
@@ -39,8 +39,9 @@ from dataclasses import dataclass, field
 import torch
 
 from draftport.decode import sampling
-from draftport.decode.graphs import SDPA_CHOICES, Graphed, GraphSet, SlotCache, attention_layout
+from draftport.decode.graphs import SDPA_CHOICES, Graphed, GraphSet
 from draftport.model.fusion import FusedTarget
+from draftport.model.kvcache import KVCache, additive_masks, attention_layout
 from draftport.model.native import SCOPES, check_target_pass, choose_target_pass, native_decoder
 from draftport.errors import DraftportError
 
@@ -166,7 +167,7 @@ class SpecEngine:
         self._layer_types, self._windows = attention_layout(text)
         params = inspect.signature(self.model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5.2x
-        self.cache = SlotCache(self.num_layers, self.S)
+        self.cache = KVCache(self.num_layers, self.S)
         self._ar = torch.arange(self.S, device=self.device)
         self._ones11 = torch.ones(1, 1, dtype=torch.bool, device=self.device)
         self._zero = torch.zeros((), dtype=torch.long, device=self.device)
@@ -250,12 +251,7 @@ class SpecEngine:
         key_pos = self._ar.index_copy(0, slots, pos)                       # RoPE position held by each slot
         nodes = torch.zeros(T, self.S, dtype=torch.bool, device=self.device).index_copy_(1, slots, tree_mask)
         allowed = (self._ar < n)[None, :] | nodes                          # [T, S]
-        neg = torch.finfo(self.dtype).min
-        masks = {}
-        for kind, window in zip(self._layer_types, self._windows):
-            ok = allowed if window is None else allowed & (pos[:, None] - key_pos[None, :] < window)
-            masks[kind] = torch.zeros(1, 1, T, self.S, dtype=self.dtype, device=self.device).masked_fill(~ok, neg)
-        return masks
+        return additive_masks(allowed[None], pos[None], key_pos[None], self._layer_types, self._windows, self.dtype)
 
     def _target_fn(self, with_aux: bool, last_only: bool = False):
         def run(ids, n, depths, tree_mask):
@@ -527,7 +523,7 @@ class SpecEngine:
             a, path, nxt = a[0], path[0], nxt[0]
         src = path.clamp_min(0)                                            # padded entries: harmless copies
         W = src.shape[0]
-        self.cache.move(nt + src, nt + self._ar[:W])                       # accepted KV to slots n..n+a
+        self.cache.move_slots(nt + src, nt + self._ar[:W])                       # accepted KV to slots n..n+a
         ext = _extend_tokens(tree.tokens[src[1:]], a, nxt)                 # [D+1]
         emitted = self._emitted(a, ext)
         clock.mark()

@@ -1,8 +1,7 @@
-"""The engine's machinery under the drafting cycles: the target's static KV cache (HF Cache layers
-written at the slots the engine picks), CUDA graphs (one per call and shape, replayed with static
-buffers, the fastest of several attention-kernel variants kept), `GraphSet` (an engine's graphs, their
-pools and the kernel each target pass ended with) and the target's attention layout.
-decode/engine.py's SpecEngine holds a GraphSet and drives it; nothing here knows about drafts or acceptance.
+"""The engine's CUDA graphs: one per call and shape, replayed with static buffers, the fastest of several
+attention-kernel variants kept; `GraphSet` holds an engine's graphs, their pools and the kernel each target
+pass ended with. decode/engine.py's SpecEngine holds a GraphSet and drives it; nothing here knows about
+drafts, caches or acceptance (the caches and masks are model/kvcache.py's).
 """
 
 from __future__ import annotations
@@ -11,9 +10,6 @@ import contextlib
 import functools
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
-
-from draftport.errors import DraftportError
 
 
 SDPA_CHOICES = ("auto", "default", "efficient", "math", "cudnn")
@@ -31,57 +27,6 @@ def sdpa_context(choice: str):
     return sdpa_kernel({"efficient": [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH],
                         "math": [SDPBackend.MATH],
                         "cudnn": [SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH]}[choice])
-
-
-# ---------------------------------------------------------------------------------------------
-# The target's static cache: HF Cache layers written at the slots the engine picks
-# ---------------------------------------------------------------------------------------------
-
-class _SlotLayer(CacheLayerMixin):
-    """One layer's full-length K/V buffers [B, Hkv, max_len, D]; `update` writes the new keys at
-    the owner's current `slots` [T] and returns the whole buffers (the 4D mask does the rest)."""
-
-    is_compileable = True
-    is_sliding = False  # sliding windows live in the mask: a full-length cache never evicts
-
-    def __init__(self, owner: "SlotCache", max_len: int):
-        super().__init__()
-        self.owner, self.max_len = owner, max_len
-
-    def lazy_initialization(self, key_states, value_states):
-        B, H = key_states.shape[:2]
-        self.keys = key_states.new_zeros(B, H, self.max_len, key_states.shape[-1])
-        self.values = value_states.new_zeros(B, H, self.max_len, value_states.shape[-1])
-        self.device, self.is_initialized = key_states.device, True
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        self.keys.index_copy_(2, self.owner.slots, key_states)
-        self.values.index_copy_(2, self.owner.slots, value_states)
-        return self.keys, self.values
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.max_len, 0
-
-    def get_seq_length(self) -> int:
-        return 0  # unused: the engine always passes position_ids and a prepared mask
-
-    def get_max_length(self) -> int:
-        return self.max_len
-
-
-class SlotCache(Cache):
-    def __init__(self, num_layers: int, max_len: int):
-        self.slots: torch.Tensor | None = None  # [T] int64, set before each forward
-        super().__init__(layers=[_SlotLayer(self, max_len) for _ in range(num_layers)])
-
-    def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Copy entries at slots src [M] to slots dst [M] in every layer (gather first, so overlaps are safe)."""
-        for layer in self.layers:
-            if layer.is_initialized:
-                layer.keys.index_copy_(2, dst, layer.keys.index_select(2, src))
-                layer.values.index_copy_(2, dst, layer.values.index_select(2, src))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -207,23 +152,3 @@ def _replay_ms(graph, n: int = 10) -> float:
     end.record()
     end.synchronize()
     return start.elapsed_time(end) / n
-
-
-def attention_layout(text_config) -> tuple[list[str], list[int | None]]:
-    """Layer types of the target and the window of each (None = full attention)."""
-    types = getattr(text_config, "layer_types", None)
-    window = getattr(text_config, "sliding_window", None)
-    if not types:
-        types = ["sliding_attention" if window else "full_attention"]
-    kinds = []
-    for kind in dict.fromkeys(types):
-        if kind == "full_attention":
-            kinds.append((kind, None))
-        elif kind == "sliding_attention":
-            if not window:
-                raise DraftportError("target has sliding-window layers but no sliding_window in its config")
-            kinds.append((kind, int(window)))
-        else:
-            raise DraftportError(f"target layer type {kind!r} is not supported by the engine "
-                                 "(full and sliding-window attention are)")
-    return [k for k, _ in kinds], [w for _, w in kinds]

@@ -75,7 +75,7 @@ def simulate_chains(drafter, aux: torch.Tensor, input_ids: torch.Tensor, target_
                              f"{target_argmax.shape[0]}; they must match")
     if depth < 1:
         raise DraftportError(f"offline τ needs depth >= 1, got {depth}")
-    from draftport.model.drafter import TTTCache
+    from draftport.model.kvcache import TTTCache
 
     dev = drafter.fc.weight.device
     ids = input_ids.to(dev, torch.long)

@@ -29,9 +29,9 @@ The step API — one drafter decoder step over T query positions; both uses shar
    tests/model/test_drafter.py proves TTT step i at t equals a chain decoded through the static cache.
 
 2. Decoding. `cache = drafter.new_cache(B, max_len)` allocates a static KV cache once
-   ([L, B, Hkv, max_len, D]); each step writes its T keys at `cache_positions` [T] with index_copy_
+   (model/kvcache.KVCache: [B, Hkv, max_len, D] a layer); each step writes its T keys at `cache_positions` [T]
    and attends over all max_len slots through an explicit mask `attn_mask` [B|1, T, max_len] (bool,
-   True = may attend, or additive float). Chains use `causal_cache_mask`; trees pass ancestor masks.
+   True = may attend, or additive float). Chains use `kvcache.causal_cache_mask`; trees pass ancestor masks.
    Nothing is allocated inside a step beyond its activations, so the step can be CUDA-graphed.
 
 `step` returns `(hidden_out [B, T, H], logits [B, T, Vd] | None)`; hidden_out is h, or norm(h) for
@@ -43,7 +43,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -52,7 +51,9 @@ from torch import nn
 
 from draftport.model import fusion, native
 from draftport.errors import DraftportError
-from draftport.model.fusion import rms_norm_weight_after_cast as rms_norm  # LlamaRMSNorm's math, as the engine fuses it
+from draftport.model.kvcache import KVCache, TTTCache
+from draftport.model.ops import rms_norm_weight_after_cast as rms_norm  # LlamaRMSNorm's math, as the engine fuses it
+from draftport.model.ops import rotary_half_split
 from draftport.check.spec import DrafterSpec
 
 Tensor = torch.Tensor
@@ -60,59 +61,7 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 
 
 # ---------------------------------------------------------------------------------------------
-# caches
-
-
-@dataclass
-class TTTCache:
-    """Keys/values of each training-time-test step, per decoder layer (RoPE already applied)."""
-    keys: list[list[Tensor]]          # [layer][step] -> [B, Hkv, T, D]
-    values: list[list[Tensor]]        # [layer][step] -> [B, Hkv, T, D]
-    key_padding: Tensor | None = None  # [B, T] bool, True = real token (masks step-0 keys only)
-
-    @classmethod
-    def empty(cls, num_layers: int, key_padding: Tensor | None = None) -> "TTTCache":
-        return cls([[] for _ in range(num_layers)], [[] for _ in range(num_layers)],
-                   None if key_padding is None else key_padding.bool())
-
-    @property
-    def num_steps(self) -> int:
-        return len(self.keys[0])
-
-
-@dataclass
-class StaticKVCache:
-    """Decoding cache, allocated once; slot s of every layer holds the key/value written there last."""
-    k: Tensor  # [L, B, Hkv, max_len, D]
-    v: Tensor  # [L, B, Hkv, max_len, D]
-
-    @property
-    def max_len(self) -> int:
-        return self.k.shape[3]
-
-    def reset(self) -> None:
-        self.k.zero_()
-        self.v.zero_()
-
-
-def causal_cache_mask(cache_positions: Tensor, max_len: int) -> Tensor:
-    """Chain mask [1, T, max_len]: the query written at slot p sees slots 0..p (slots == positions)."""
-    slots = torch.arange(max_len, device=cache_positions.device)
-    return (slots[None, :] <= cache_positions[:, None])[None]
-
-
-# ---------------------------------------------------------------------------------------------
-# pure math: RoPE and the two attention forms
-
-
-def rotate_half(x: Tensor) -> Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x [B, heads, T, D]; cos/sin [B|1, T, D] (non-interleaved halves, as HF Llama)."""
-    return x * cos[:, None] + rotate_half(x) * sin[:, None]
+# pure math: the layer's elementwise blocks and the two attention forms
 
 
 def gated_act(act: Callable, gate: Tensor, up: Tensor) -> Tensor:
@@ -121,8 +70,9 @@ def gated_act(act: Callable, gate: Tensor, up: Tensor) -> Tensor:
 
 
 def rope_qk(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
-    """apply_rope on queries and keys (one compiled region in training instead of two)."""
-    return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    """The rotary embedding on queries and keys [B, heads, T, D], cos/sin [B|1, T, D] (non-interleaved halves,
+    as HF Llama); one compiled region in training instead of two."""
+    return rotary_half_split(q, k, cos, sin)
 
 
 def first_layer_input(embeds: Tensor, hidden: Tensor, w_embed: Tensor, w_hidden: Tensor,
@@ -490,12 +440,12 @@ class Eagle3Drafter(nn.Module):
 
     # -- the step ----------------------------------------------------------------------------
     def step(self, hidden: Tensor, input_ids: Tensor, position_ids: Tensor,
-             cache: TTTCache | StaticKVCache, *, cache_positions: Tensor | None = None,
+             cache: TTTCache | KVCache, *, cache_positions: Tensor | None = None,
              attn_mask: Tensor | None = None, with_logits: bool = True) -> tuple[Tensor, Tensor | None]:
         """One drafter step over T positions (see the module docstring for both cache forms).
 
         hidden [B, T, H] (project(aux) or the previous hidden_out); input_ids [B, T] target ids;
-        position_ids [B, T] or [T] RoPE positions. StaticKVCache needs cache_positions [T] (slots to
+        position_ids [B, T] or [T] RoPE positions. A KVCache needs cache_positions [T] (slots to
         write) and attn_mask [B|1, T, max_len]. Returns (hidden_out [B, T, H], logits [B, T, Vd] | None).
         """
         if isinstance(cache, TTTCache):
@@ -507,13 +457,13 @@ class Eagle3Drafter(nn.Module):
                 return attend
         else:
             if cache_positions is None or attn_mask is None:
-                raise ValueError("a StaticKVCache step needs cache_positions and attn_mask")
+                raise ValueError("a KVCache step needs cache_positions and attn_mask")
 
             def make_attend(li: int) -> Callable:
                 def attend(q, k, v):
-                    cache.k[li].index_copy_(2, cache_positions, k.to(cache.k.dtype))
-                    cache.v[li].index_copy_(2, cache_positions, v.to(cache.v.dtype))
-                    return cached_attention(q, cache.k[li], cache.v[li], attn_mask)
+                    layer = cache.layers[li]
+                    keys, values = layer.write(k.to(layer.keys.dtype), v.to(layer.values.dtype), cache_positions)
+                    return cached_attention(q, keys, values, attn_mask)
                 return attend
 
         embeds = self.embed(input_ids)
@@ -532,13 +482,11 @@ class Eagle3Drafter(nn.Module):
         cache = TTTCache.empty(self.num_layers, attention_mask)
         return self.step(self.project(aux), input_ids, position_ids, cache)
 
-    def new_cache(self, batch_size: int, max_len: int, device=None, dtype=None) -> StaticKVCache:
+    def new_cache(self, batch_size: int, max_len: int, device=None, dtype=None) -> KVCache:
+        """The decoding cache, allocated now: batch_size rows × max_len slots a layer (model/kvcache.KVCache)."""
         s = self.spec
-        shape = (s.num_layers, batch_size, s.num_key_value_heads, max_len, s.head_dim)
-        device = device or self.fc.weight.device
-        dtype = dtype or self.fc.weight.dtype
-        return StaticKVCache(torch.zeros(shape, device=device, dtype=dtype),
-                             torch.zeros(shape, device=device, dtype=dtype))
+        return KVCache(s.num_layers, max_len, batch=batch_size).allocate(
+            s.num_key_value_heads, s.head_dim, device or self.fc.weight.device, dtype or self.fc.weight.dtype)
 
 
 def parse_dtype(name: str | torch.dtype | None) -> torch.dtype | None:

@@ -25,39 +25,8 @@ import warnings
 
 import torch
 
-# Two RMSNorm conventions in HF decoders (the weight applied before or after the cast back):
-# Llama / Mistral / Qwen: w · (x̂ in the input dtype); Gemma 1-3: (x̂ · (1 + w)) in fp32, then cast.
+from draftport.model.ops import NORM_VARIANTS, rotary_half_split
 
-
-def rms_normalized(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """x̂ = x / rms(x) in fp32, the part both conventions share (native.rms_norm uses it too)."""
-    xf = x.float()
-    return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-
-
-def rms_norm_weight_after_cast(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return weight * rms_normalized(x, eps).to(x.dtype)
-
-
-def rms_norm_unit_offset(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return (rms_normalized(x, eps) * (1.0 + weight.float())).to(x.dtype)
-
-
-VARIANTS = (rms_norm_weight_after_cast, rms_norm_unit_offset)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def rotary_half_split(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                      position_ids=None, unsqueeze_dim: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rotary embedding of HF's Llama-family modelling files (Llama, Mistral, Qwen, Gemma 1-3): each
-    head dim paired with the one half a head away. position_ids: the old signature's argument, unused
-    there too (cos/sin are already per position). q/k [B, heads, T, D]; cos/sin [B, T, D]."""
-    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 _COMPILED: dict = {}
 
 
@@ -216,7 +185,7 @@ class FusedTarget:
         x = _probe_input(module, module.weight.shape[0])
         with torch.no_grad():
             want = module(x)
-            for variant in VARIANTS:
+            for variant in NORM_VARIANTS:
                 try:
                     got = wrap(variant)(x, module.weight, _norm_eps(module))
                 except Exception:  # a compiler failure leaves the class eager, it does not stop the engine

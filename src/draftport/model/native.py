@@ -21,8 +21,8 @@ plain decoder, reading the HF model's parameters:
                into the query rows (as fusion.grouped_sdpa), so grouped-query attention never repeats the
                cache; the caller's additive 4D masks ({layer type: mask}) carry causality, tree structure
                and sliding windows exactly as on the HF path. K/V are written through the cache layers'
-               own `update` (decode/graphs.SlotCache for the engine, decode/batch.RowCache for batches),
-               so tree compaction (SlotCache.move) and per-row batches work unchanged.
+               own `update` (model/kvcache.KVCache, with shared slots for the engine and per-row slots for
+               batches), so tree compaction (KVCache.move_slots) and per-row batches work unchanged.
     outputs    logits for all rows or the last one only (a prefill needs one), through the head and the
                model's logit post-processing (Gemma's final softcapping); aux states as HF's
                output_hidden_states[i] (index 0 the embedding output after Gemma's sqrt(H) scale, index L
@@ -50,7 +50,7 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from draftport.errors import DraftportError
-from draftport.model.fusion import rms_normalized, rotary_half_split
+from draftport.model.ops import rms_norm, rotary_half_split
 from draftport.model.target import apply_logit_postprocessing
 
 # HF config model_type -> family. Gemma-3's multimodal wrapper (model_type "gemma3") is not here: only
@@ -123,15 +123,6 @@ def choose_target_pass(model, choice: str) -> str:
 # ---------------------------------------------------------------------------------------------
 # The math: plain functions of tensors and constants (what torch.compile sees)
 # ---------------------------------------------------------------------------------------------
-
-def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, unit_offset: bool) -> torch.Tensor:
-    """HF's two RMSNorm conventions, in their op order: Llama/Qwen w · (x̂ cast back), Gemma (x̂ · (1+w)) in
-    fp32 then cast (w here is that fp32 1+w, precomputed)."""
-    y = rms_normalized(x, eps)
-    if unit_offset:
-        return (y * w).to(x.dtype)
-    return w * y.to(x.dtype)
-
 
 # Rows to which an invariant pass pads the inputs of its linear layers and head (0: not padded). It stays 0:
 # the padding changes no token of the held-out text and costs step time (measured: see BENCHMARKS.md, row
@@ -352,7 +343,7 @@ class NativeDecoder:
         ids [B, T] token ids; pos [B, T] RoPE positions (< `positions`, see ensure_positions);
         masks: {layer type: additive or boolean mask [B|1, 1, T, S]} or one mask for every layer;
         cache: a Cache whose `layers[i].update(k, v)` writes layer i's new keys/values where its owner says
-        and returns that layer's full key/value buffers [B, Hkv, S, D] (SlotCache, RowCache)."""
+        and returns that layer's full key/value buffers [B, Hkv, S, D] (model/kvcache.KVCache)."""
 
     def __init__(self, model, positions: int = 2048, compile: bool | str = False):
         reason = unsupported_reason(model)

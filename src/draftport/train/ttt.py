@@ -241,7 +241,7 @@ class TTTModel(nn.Module):
             return self._unroll(aux, ids0, mask0, target0, argmax0, counts, with_hits)
 
     def _unroll(self, aux, ids0, mask0, target0, argmax0, counts, with_hits):
-        from draftport.model.drafter import TTTCache
+        from draftport.model.kvcache import TTTCache
 
         d, k = self.drafter, self.k
         attention = functools.partial(flex_ttt_attention, compiled=self.compile)
