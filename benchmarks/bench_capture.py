@@ -118,10 +118,10 @@ def main(argv=None) -> int:
     if args.shape:
         target, name = build_shaped_target(args.shape, args.device, dtype), f"random {args.shape}"
     else:
-        from draftport.train.capture import CaptureConfig, resolve_target
+        from draftport.model.target import load_target
 
         name = args.target or "tiny-llama"
-        target, _ = resolve_target(CaptureConfig(target=name, data="-", out="-", device=args.device, dtype=dtype_name))
+        target = load_target(name, device=args.device, dtype=dtype_name)
     load_s = time.perf_counter() - t_load
 
     rng = np.random.default_rng(0)

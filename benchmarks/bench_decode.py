@@ -58,7 +58,8 @@ import traceback
 
 import torch
 
-from draftport.decode.evaluate import EvalConfig, decode_rate, hf_generate_rate, load_drafter_for, run_eval, sync, time_call
+from draftport.decode.evaluate import EvalConfig, decode_rate, hf_generate_rate, run_eval, sync, time_call
+from draftport.model.formats import load_drafter_for
 from draftport.model import native
 from emit import emit, emit_partial
 from profiling import kernel_profile

@@ -73,7 +73,7 @@ def test_gemma3_target_is_incompatible_for_both_engines(tmp_path):
     for model types containing one of its list (llama, qwen, …), and "gemma3_text" contains none."""
     cfg = config(eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 16, 30]})  # (vocab differs too: also an error)
     d = tmp_path / "d"
-    make(cfg).save_pretrained(d, format="sglang", target=None)
+    save_drafter(make(cfg), d, format="sglang", target=None)
     r = check(d, target=GEMMA3_MM)
     assert r["engine_verdicts"] == {"sglang": "incompatible", "vllm": "incompatible"}
     for e in ("sglang", "vllm"):
@@ -100,7 +100,7 @@ def test_export_refuses_a_gemma3_drafter_unless_forced(tmp_path):
     src = tmp_path / "src"
     spec_cfg = config(draftport={"trained_layers": [2, 9, 15], "target_architecture": "Gemma3ForCausalLM",
                                  "target_model_type": "gemma3_text", "target_num_layers": 18})
-    make(spec_cfg).save_pretrained(src, format="sglang")
+    save_drafter(make(spec_cfg), src, format="sglang")
     err = io.StringIO()
     with redirect_stderr(err), redirect_stdout(io.StringIO()):
         assert cli.main(["export", str(src), "--format", "sglang", "--out", str(tmp_path / "a")]) == 2
@@ -120,7 +120,7 @@ def test_biases_are_an_error_for_sglang_not_vllm(tmp_path, flag):
     LlamaMLP without bias; load_weights loads a name only `if param_name in params_dict`, so the biases are
     dropped silently. vLLM llama_eagle3.py (@00bd1493) builds them from attention_bias / mlp_bias."""
     d = tmp_path / "d"
-    make(config(**{flag: True})).save_pretrained(d, format="sglang")
+    save_drafter(make(config(**{flag: True})), d, format="sglang")
     r = check(d, engine="sglang")
     assert r["verdict"] == "invalid" and "bias_dropped" in errors(r, "sglang")
     r = check(d, engine="vllm")
@@ -142,13 +142,13 @@ def test_hidden_size_mismatch_without_embedding_is_an_error(tmp_path):
                                                     "hidden_size": 64, "num_hidden_layers": 32,
                                                     "num_attention_heads": 4, "vocab_size": V}))
     bare = tmp_path / "bare"
-    make(cfg).save_pretrained(bare, format="vllm", target=target)
+    save_drafter(make(cfg), bare, format="vllm", target=target)
     for r in (check(bare), check(bare, target=target)):
         assert r["verdict"] != "valid" and r["engine_verdicts"] == {"sglang": "incompatible", "vllm": "incompatible"}
         assert all("embedding_missing" in errors(r, e) for e in ("sglang", "vllm"))
     # the export of a drafter that holds its embedding writes it (not dropped) and checks valid
     full, out = tmp_path / "full", tmp_path / "out"
-    make(cfg, embedding=True).save_pretrained(full, format="vllm", include_embedding=True)
+    save_drafter(make(cfg, embedding=True), full, format="vllm", include_embedding=True)
     with redirect_stdout(io.StringIO()) as buf:
         assert cli.main(["export", str(full), "--format", "vllm", "--out", str(out), "--json"]) == 0
     assert json.loads(buf.getvalue())["embedding_included"] is True
@@ -205,7 +205,7 @@ def test_check_calls_every_export_valid_for_its_engines(tmp_path, fmt, layers, e
     from draftport.check.engines import FORMAT_ENGINES
 
     src = tmp_path / "src"
-    make(config(num_hidden_layers=layers), embedding=emb).save_pretrained(
+    save_drafter(make(config(num_hidden_layers=layers), embedding=emb), 
         src, format="vllm" if layers > 1 else "sglang", include_embedding=emb)
     out = tmp_path / "out"
     argv = ["export", str(src), "--format", fmt, "--out", str(out), "--target", str(LLAMA_TARGET), "--json"]
@@ -223,7 +223,7 @@ def test_check_calls_every_export_valid_for_its_engines(tmp_path, fmt, layers, e
 def test_vllm_check_of_a_two_layer_vllm_export(tmp_path):
     """`check --engine vllm` on draftport's vLLM export of a two-layer drafter."""
     d = tmp_path / "d"
-    make(config(num_hidden_layers=2)).save_pretrained(d, format="vllm", target=LLAMA_TARGET)
+    save_drafter(make(config(num_hidden_layers=2)), d, format="vllm", target=LLAMA_TARGET)
     with redirect_stdout(io.StringIO()) as buf:
         rc = cli.main(["check", str(d), "--engine", "vllm", "--json"])
     r = json.loads(buf.getvalue())
@@ -241,10 +241,10 @@ def test_eagle31_flags_per_engine(tmp_path, flag):
     (vllm/transformers_utils/configs/speculators/algos.py update_eagle3 @cfb173ab) copies only
     norm_before_residual of them, so fc_norm / norm_output / norm_before_fc are dropped there."""
     sg = tmp_path / "sg"
-    make(config(**{flag: True})).save_pretrained(sg, format="sglang")
+    save_drafter(make(config(**{flag: True})), sg, format="sglang")
     assert "flag_ignored" in errors(check(sg, engine="sglang"), "sglang")
     sp = tmp_path / "sp"
-    make(config(**{flag: True})).save_pretrained(sp, format="speculators", target=LLAMA_TARGET)
+    save_drafter(make(config(**{flag: True})), sp, format="speculators", target=LLAMA_TARGET)
     r = check(sp, engine="vllm")
     if flag == "norm_before_residual":
         assert r["verdict"] == "valid"                   # copied by update_eagle3, read by llama_eagle3.py
@@ -284,7 +284,7 @@ def test_speculators_export_without_target_is_refused(tmp_path):
     """speculators reads speculators_config.verifier.name_or_path to load the verifier; null made it
     fetch a model called "None" from the hub, which vLLM then cannot serve."""
     src = tmp_path / "src"
-    make(config()).save_pretrained(src, format="sglang")
+    save_drafter(make(config()), src, format="sglang")
     err = io.StringIO()
     with redirect_stderr(err), redirect_stdout(io.StringIO()):
         assert cli.main(["export", str(src), "--format", "speculators", "--out", str(tmp_path / "o")]) == 2

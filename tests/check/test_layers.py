@@ -8,6 +8,7 @@ from draftport.check.layers import capture_layers
 from draftport.check.layers import default_aux_layers, native_engine, resolve_aux_layers
 from draftport.check.spec import drafter_spec_from_dict, target_spec_from_dict
 from draftport.errors import DraftportError
+from draftport.model.formats import save_drafter
 
 TARGET = target_spec_from_dict({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
                                 "num_attention_heads": 4, "num_hidden_layers": 12, "vocab_size": 100})
@@ -74,7 +75,7 @@ def test_a_vllm_drafter_is_fed_the_same_layers_by_eval_as_by_export(tmp_path):
     fed_by_export = plan_aux_ids(d.spec, t).layers
     assert fed_by_eval == fed_by_export == ids
     # the exported SGLang copy records those layers, and the engine feeds the same ones again
-    d.save_pretrained(tmp_path / "sglang", format="sglang", target=t)
+    save_drafter(d, tmp_path / "sglang", format="sglang", target=t)
     again, _ = load_drafter(tmp_path / "sglang", dtype=torch.float32)
     again.set_embedding(t.embed_weight)
     assert capture_layers(again.spec, t.spec, "sglang") == ids

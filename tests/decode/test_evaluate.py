@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from test_offline import greedy, train_tiny_drafter
+from draftport.model.formats import save_drafter
 
 PROMPTS = ["Hello, how are you today?", "def add(a, b):", "What is the capital of France?"]
 N = 24  # new tokens per prompt
@@ -35,7 +36,7 @@ def tiny(tmp_path_factory):
     drafter = train_tiny_drafter(target, [p + greedy(target, p, 40) for p in ids[:2]])
     target.model.save_pretrained(root / "target")
     target.tokenizer.save_pretrained(root / "target")
-    drafter.save_pretrained(root / "drafter", format="sglang")
+    save_drafter(drafter, root / "drafter", format="sglang")
     return {"target": target, "drafter": drafter, "prompts": str(prompts_file), "ids": ids,
             "target_dir": str(root / "target"), "drafter_dir": str(root / "drafter"), "root": root}
 

@@ -81,8 +81,8 @@ CASES = [("sglang", tiny_config()), ("vllm", tiny_config()), ("speculators", tin
 @pytest.mark.parametrize("fmt,cfg", CASES, ids=[f"{f}-{i}" for i, (f, _) in enumerate(CASES)])
 def test_round_trip_gives_identical_logits(tmp_path, fmt, cfg):
     m = drafter(cfg)
-    m.save_pretrained(tmp_path, format=fmt, target=LLAMA_TARGET)
-    back = Eagle3Drafter.from_pretrained(tmp_path)
+    save_drafter(m, tmp_path, format=fmt, target=LLAMA_TARGET)
+    back = load_drafter(tmp_path)[0]
     assert back.load_report.missing == [] and back.load_report.unexpected == []
     back.set_embedding(m.embed_tokens.weight)       # sglang/vllm leave the embedding to the target
     for a, b in zip(unroll(m), unroll(back)):
@@ -96,7 +96,7 @@ def test_round_trip_gives_identical_logits(tmp_path, fmt, cfg):
 def test_saved_tensors_are_exactly_the_inventory_check_expects(tmp_path, fmt):
     m = drafter(tiny_config(fc_norm=True))
     # (speculators needs a verifier: a target-less speculators export is an error)
-    m.save_pretrained(tmp_path, format=fmt, include_embedding=False, target=LLAMA_TARGET if fmt == "speculators" else None)
+    save_drafter(m, tmp_path, format=fmt, include_embedding=False, target=LLAMA_TARGET if fmt == "speculators" else None)
     spec = load_drafter_spec(tmp_path)
     real = {n: (t.shape, t.dtype) for n, t in read_inventory(tmp_path).tensors.items()}
     want = {n: (t.shape, t.dtype) for n, t in expected_inventory(spec).items()}
@@ -112,7 +112,7 @@ def test_full_size_kimi_k2_names_and_shapes_match_inventory_without_allocating()
 
 def test_load_reports_missing_and_unexpected_by_name(tmp_path):
     m = drafter(tiny_config())
-    m.save_pretrained(tmp_path, format="sglang", target=LLAMA_TARGET)
+    save_drafter(m, tmp_path, format="sglang", target=LLAMA_TARGET)
     path = tmp_path / "model.safetensors"
     tensors = load_file(str(path))
     del tensors["midlayer.mlp.up_proj.weight"]
@@ -126,7 +126,7 @@ def test_load_reports_missing_and_unexpected_by_name(tmp_path):
 
 
 def test_shape_mismatch_names_tensor_and_file(tmp_path):
-    drafter(tiny_config()).save_pretrained(tmp_path, format="sglang", target=LLAMA_TARGET)
+    save_drafter(drafter(tiny_config()), tmp_path, format="sglang", target=LLAMA_TARGET)
     path = tmp_path / "model.safetensors"
     tensors = load_file(str(path))
     tensors["fc.weight"] = torch.zeros(H, 2 * H)
@@ -138,7 +138,7 @@ def test_shape_mismatch_names_tensor_and_file(tmp_path):
 
 
 def test_malformed_safetensors_is_a_one_line_error(tmp_path):
-    drafter(tiny_config()).save_pretrained(tmp_path, format="sglang", target=LLAMA_TARGET)
+    save_drafter(drafter(tiny_config()), tmp_path, format="sglang", target=LLAMA_TARGET)
     (tmp_path / "model.safetensors").write_bytes(b"\xff" * 8 + b"not a header")
     with pytest.raises(DraftportError) as exc:
         load_drafter(tmp_path)
@@ -205,7 +205,7 @@ def test_written_ids_make_each_engine_capture_the_trained_layers(tmp_path, targe
     tspec = load_target_spec(target)
     for fmt, engines in (("sglang", ["sglang"]), ("vllm", ["sglang", "vllm"]), ("speculators", ["vllm"])):
         out = tmp_path / fmt
-        m.save_pretrained(out, format=fmt, target=target)
+        save_drafter(m, out, format=fmt, target=target)
         spec = load_drafter_spec(out)
         for engine in engines:
             assert capture_layers(spec, tspec, engine) == trained, (fmt, engine)
@@ -215,7 +215,7 @@ def test_written_ids_make_each_engine_capture_the_trained_layers(tmp_path, targe
 
 def test_explicit_layers_override_the_config_ids(tmp_path):
     m = drafter(tiny_config())                      # config ids [1, 15, 28], but trained on 3, 9, 20
-    m.save_pretrained(tmp_path, format="vllm", target=LLAMA_TARGET, layers=[3, 9, 20])
+    save_drafter(m, tmp_path, format="vllm", target=LLAMA_TARGET, layers=[3, 9, 20])
     spec, tspec = load_drafter_spec(tmp_path), load_target_spec(LLAMA_TARGET)
     assert capture_layers(spec, tspec, "sglang") == capture_layers(spec, tspec, "vllm") == [3, 9, 20]
     assert spec.trained_layers == (3, 9, 20)
@@ -223,7 +223,7 @@ def test_explicit_layers_override_the_config_ids(tmp_path):
 
 def test_foreign_drafter_keeps_what_sglang_fed_it(tmp_path):
     m = drafter(tiny_config())                      # eagle_config [1, 15, 28]: SGLang feeds layers 2, 16, 29
-    m.save_pretrained(tmp_path, format="vllm", target=LLAMA_TARGET)
+    save_drafter(m, tmp_path, format="vllm", target=LLAMA_TARGET)
     cfg = json.loads((tmp_path / "config.json").read_text())
     assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 15, 28]
     assert cfg["eagle_aux_hidden_state_layer_ids"] == [2, 16, 29]
@@ -232,7 +232,7 @@ def test_foreign_drafter_keeps_what_sglang_fed_it(tmp_path):
 
 def test_speculators_config_writes_every_flag_and_no_hub_id(tmp_path):
     m = drafter(tiny_config(fc_norm=True))
-    m.save_pretrained(tmp_path / "a", format="speculators", target=LLAMA_TARGET)
+    save_drafter(m, tmp_path / "a", format="speculators", target=LLAMA_TARGET)
     cfg = json.loads((tmp_path / "a" / "config.json").read_text())
     for flag in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output"):
         assert isinstance(cfg[flag], bool)
@@ -242,13 +242,13 @@ def test_speculators_config_writes_every_flag_and_no_hub_id(tmp_path):
     assert "embed_tokens.weight" in read_inventory(tmp_path / "a").tensors   # speculators runs on its own copy
     # a null name_or_path makes speculators fetch a verifier called "None", so it is refused
     with pytest.raises(DraftportError, match="pass --target"):
-        m.save_pretrained(tmp_path / "b", format="speculators", target=None)
+        save_drafter(m, tmp_path / "b", format="speculators", target=None)
     assert not (tmp_path / "b" / "config.json").exists()
 
 
 def test_export_cli_writes_atomically_and_prints_launch_commands(tmp_path):
     src = tmp_path / "src"
-    drafter(tiny_config()).save_pretrained(src, format="sglang", target=LLAMA_TARGET)
+    save_drafter(drafter(tiny_config()), src, format="sglang", target=LLAMA_TARGET)
     out = tmp_path / "exported"
     buf = io.StringIO()
     with redirect_stdout(buf):

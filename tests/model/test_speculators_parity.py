@@ -21,6 +21,7 @@ speculators_eagle3 = reference_module("speculators.models.eagle3")  # under CI: 
 
 from draftport.model.drafter import Eagle3Drafter  # noqa: E402
 from draftport.model.kvcache import TTTCache
+from draftport.model.formats import save_drafter
 
 V, VD, H, L = 96, 40, 32, 8
 LAYER = {"model_type": "llama", "hidden_size": H, "intermediate_size": 48, "num_attention_heads": 4,
@@ -62,7 +63,7 @@ def test_speculators_loads_our_export_and_matches_our_forward(tmp_path, verifier
     t2d = torch.zeros(V, dtype=torch.bool)
     t2d[used] = True
     ours.set_vocab_mapping(used - torch.arange(VD), t2d)
-    ours.save_pretrained(tmp_path, format="speculators", target=target_dir)
+    save_drafter(ours, tmp_path, format="speculators", target=target_dir)
 
     cfg = speculators_eagle3.Eagle3SpeculatorConfig.from_pretrained(tmp_path)
     cfg.transformer_layer_config._attn_implementation = "eager"   # CPU: dense masks, no flex attention

@@ -13,6 +13,7 @@ import torch
 
 from draftport.errors import DraftportError
 from draftport.study.probe import LayerStats, ProbeConfig, cosine_per_token, linear_cka, run_probe
+from draftport.model.formats import save_drafter
 
 PERTURB_FROM = 3  # decoder layers >= this are perturbed in target B
 
@@ -53,7 +54,7 @@ def train_drafter(target_dir: str, data: str, out: str, steps: int = 40, depth: 
     target = load_target(target_dir, device="cpu", dtype="fp32")
     seqs = [tokenize_conversation(target.tokenizer, c, max_len=max_len)[0].tolist() for c in load_conversations(data)]
     d = train_tiny_drafter(target, seqs, depth=depth, steps=steps, corrupt=0.0)
-    d.save_pretrained(out, format="sglang", target=target)
+    save_drafter(d, out, format="sglang", target=target)
     return str(out)
 
 
@@ -155,7 +156,7 @@ def drafter_a(targets, tmp_path_factory):
 
 def test_plugin_tau_on_its_own_target_equals_its_offline_tau(targets, drafter_a, tmp_path):
     from draftport.train.capture import CaptureConfig, run_capture
-    from draftport.decode.evaluate import load_drafter_for
+    from draftport.model.formats import load_drafter_for
     from draftport.decode.offline import offline_accept_len
     from draftport.model.target import load_target
 

@@ -28,6 +28,7 @@ import numpy as np
 import pytest
 import torch
 from rich.console import Console
+from draftport.model.formats import load_drafter
 
 QUIET = Console(stderr=True, quiet=True)
 V = 72                 # target vocab; segments draw from ids FIRST..V-1, so a 64-row draft vocab is not the identity
@@ -121,7 +122,7 @@ def trained(tmp_path_factory):
     summary = run_train(TrainConfig(target="induction-llama", data=store, out=str(d / "run"), batch_size=16,
                                     ttt_steps=3, steps=300, lr=3e-3, draft_vocab_size=64, device="cpu",
                                     val_every=0, val_fraction=0.1), target=target, console=QUIET)
-    drafter = Eagle3Drafter.from_pretrained(summary["final_drafter"], dtype=torch.float32)
+    drafter = load_drafter(summary["final_drafter"], dtype=torch.float32)[0]
     drafter.set_embedding(target.embed_weight)  # engine files carry no embedding: the target's, as the engine does
     return target, store, summary, drafter
 

@@ -45,6 +45,7 @@ from draftport import cli
 from draftport.train.capture import CaptureConfig, run_capture
 from draftport.data.store import MANIFEST, SHARD_RE, Store
 from test_capture import write_convs  # the same small conversations the capture tests use
+from draftport.model.formats import save_drafter
 
 QUIET = Console(stderr=True, quiet=True)
 SEED = 20260703  # the kill delays, flipped bytes and disk budgets all come from this seed
@@ -504,7 +505,7 @@ def _drafter_dir(d: Path, weights: bool) -> Path:
     from draftport.train.loop import drafter_config
 
     tg = tiny_target("gemma3")
-    Eagle3Drafter.from_config(drafter_config(tg, [2, 4, 5], tg.vocab_size, 64), seed=3).save_pretrained(
+    save_drafter(Eagle3Drafter.from_config(drafter_config(tg, [2, 4, 5], tg.vocab_size, 64), seed=3), 
         d, format="sglang", target=tg.spec, layers=[2, 4, 5])
     if not weights:
         (d / "model.safetensors").unlink()

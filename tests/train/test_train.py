@@ -21,6 +21,7 @@ from draftport.train.capture import CaptureConfig, run_capture
 from draftport.errors import DraftportError
 from draftport.train.config import TrainConfig
 from draftport.train.loop import lr_at, run_train
+from draftport.model.formats import load_drafter, save_drafter
 
 QUIET = Console(stderr=True, quiet=True)
 PHRASE = "the robot paints a quiet town by the sea every morning".split()
@@ -82,7 +83,7 @@ def test_capture_then_train_lowers_loss_and_raises_tau(store, tmp_path):
     cfg = json.load(open(os.path.join(final, "config.json")))
     assert cfg["architectures"] == ["LlamaForCausalLMEagle3"]
     assert cfg["draftport"]["trained_layers"] == [2, 4, 5] and cfg["draftport"]["target_architecture"] == "Gemma3ForCausalLM"
-    loaded = Eagle3Drafter.from_pretrained(final)
+    loaded = load_drafter(final)[0]
     master = load_file(os.path.join(ck, "resume", "state.safetensors"))
     for name, t in loaded.state_dict().items():
         if name != "embed_tokens.weight":
@@ -182,7 +183,7 @@ def _sglang_drafter(tmp_path, store, seed=3):
     t2d = torch.zeros(tg.vocab_size, dtype=torch.bool)
     t2d[used] = True
     d.set_vocab_mapping(used - torch.arange(64), t2d)
-    d.save_pretrained(tmp_path / "init", format="sglang", target=tg.spec, layers=[2, 4, 5])
+    save_drafter(d, tmp_path / "init", format="sglang", target=tg.spec, layers=[2, 4, 5])
     return str(tmp_path / "init"), d
 
 
@@ -221,7 +222,7 @@ def test_lm_head_from_target_starts_at_the_target_head_rows(store, tmp_path):
     # a negligible lr (one Adam step moves a weight by ~lr): the saved head is the initial one; each draft row is the target head's row of its token
     s = run_train(_cfg(store, tmp_path / "head", lm_head_from_target=True, steps=1, lr=1e-9), console=QUIET)
     w = load_file(os.path.join(s["checkpoint"], "resume", "state.safetensors"))
-    from draftport.train.capture import TINY_TARGETS
+    from draftport.model.target import TINY_TARGETS
     from draftport.model.target import tiny_target
 
     head = tiny_target(TINY_TARGETS[TARGET], seed=0, device="cpu", dtype="fp32").lm_head_weight.detach().float()

@@ -151,16 +151,6 @@ def predicted_tok_s(accept_len: float | None, verify_ms: float, draft_ms: float,
 # Loading
 # ---------------------------------------------------------------------------------------------
 
-def load_drafter_for(path: str, target):
-    """The drafter on the target's device and dtype, reading the target's embedding unless it has its own."""
-    from draftport.model.drafter import Eagle3Drafter
-
-    drafter = Eagle3Drafter.from_pretrained(path, device=target.device, dtype=target.dtype)
-    if drafter.embedding_source != "checkpoint":
-        drafter.set_embedding(target.embed_weight)
-    return drafter.eval()
-
-
 def encode_prompts(target, convs, chat_template: str | None, max_len: int | None) -> list[list[int]]:
     """Token ids of each prompt conversation with the assistant header appended (what decoding continues)."""
     from draftport.data.chat import encode_prompt
@@ -805,6 +795,8 @@ def run_eval(cfg: EvalConfig, *, target=None, drafter=None, console=None) -> dic
 
         target = load_target(cfg.target, device=cfg.device, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code)
     if drafter is None and not ngram_only:
+        from draftport.model.formats import load_drafter_for
+
         drafter = load_drafter_for(cfg.drafter, target)
     prompts = encode_prompts(target, convs, cfg.chat_template, cfg.max_len)
     stops = stop_token_ids(target.tokenizer, cfg.chat_template, target.eos_token_ids)
@@ -912,6 +904,8 @@ def run_generate(cfg: GenerateConfig, *, target=None, drafter=None) -> dict:
 
         target = load_target(cfg.target, device=cfg.device, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code)
     if drafter is None and cfg.drafter is not None and not ngram_only:
+        from draftport.model.formats import load_drafter_for
+
         drafter = load_drafter_for(cfg.drafter, target)
     ids = encode_prompts(target, [Conversation([{"role": "user", "content": cfg.prompt}])], cfg.chat_template, None)[0]
     stops = stop_token_ids(target.tokenizer, cfg.chat_template, target.eos_token_ids)

@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 from typing import Callable
 
 import torch
@@ -54,7 +53,7 @@ from draftport.errors import DraftportError
 from draftport.model.kvcache import KVCache, TTTCache
 from draftport.model.ops import rms_norm_weight_after_cast as rms_norm  # LlamaRMSNorm's math, as the engine fuses it
 from draftport.model.ops import rotary_half_split
-from draftport.check.spec import DrafterSpec
+from draftport.check.spec import DrafterSpec, drafter_spec_from_dict
 
 Tensor = torch.Tensor
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -325,31 +324,12 @@ class Eagle3Drafter(nn.Module):
     def from_config(cls, spec_or_dict: DrafterSpec | dict, *, seed: int = 0, device=None,
                     dtype: torch.dtype | str | None = None) -> "Eagle3Drafter":
         """A freshly initialised drafter (init_weights(seed)) from a DrafterSpec or a config dict."""
-        spec = spec_or_dict
-        if isinstance(spec_or_dict, dict):
-            from draftport.check.spec import drafter_spec_from_dict
-            spec = drafter_spec_from_dict(spec_or_dict)
+        spec = drafter_spec_from_dict(spec_or_dict) if isinstance(spec_or_dict, dict) else spec_or_dict
         if isinstance(dtype, str):
             dtype = parse_dtype(dtype)
         model = cls(spec, device=device, dtype=dtype)
         model.init_weights(seed)
         return model
-
-    @classmethod
-    def from_pretrained(cls, path: str | os.PathLike, *, device=None,
-                        dtype: torch.dtype | None = None) -> "Eagle3Drafter":
-        """Load any supported layout (formats.load_drafter); the load report is kept in `.load_report`."""
-        from draftport.model.formats import load_drafter
-        model, report = load_drafter(path, device=device, dtype=dtype)
-        model.load_report = report
-        return model
-
-    def save_pretrained(self, out_dir: str | os.PathLike, format: str = "sglang", target=None,
-                        include_embedding: bool | None = None, **kwargs):
-        """Write config.json + model.safetensors in an engine's layout (formats.save_drafter)."""
-        from draftport.model.formats import save_drafter
-        return save_drafter(self, out_dir, format=format, target=target,
-                            include_embedding=include_embedding, **kwargs)
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0, *, skip: set[str] | frozenset = frozenset()) -> None:

@@ -226,7 +226,17 @@ def load_drafter(path: str | os.PathLike, *, device=None, dtype: torch.dtype | s
         if int(ids.min()) < 0 or int(ids.max()) >= spec.vocab_size:
             raise DraftportError(f"d2t maps draft ids outside the target vocab [0, {spec.vocab_size})",
                                  tensors[loaded["d2t"]][1])
+    model.load_report = report
     return model, report
+
+
+def load_drafter_for(path: str | os.PathLike, target) -> Eagle3Drafter:
+    """The drafter on the target's device and dtype, in eval mode, reading the target's embedding unless it
+    carries its own."""
+    drafter, _ = load_drafter(path, device=target.device, dtype=target.dtype)
+    if drafter.embedding_source != "checkpoint":
+        drafter.set_embedding(target.embed_weight)
+    return drafter.eval()
 
 
 # ---------------------------------------------------------------------------------------------

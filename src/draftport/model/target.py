@@ -421,15 +421,22 @@ def _check_hf_dir(path: str) -> None:
     raise DraftportError("no weights found (expected *.safetensors)", path)
 
 
+# names of seeded random tiny targets (tiny_target) that every verb takes as --target
+TINY_TARGETS = {"tiny-llama": "llama", "tiny-qwen2": "qwen2", "tiny-gemma3": "gemma3"}
+
+
 def load_target(name_or_path: str, device: str | torch.device | None = None, dtype: str | torch.dtype | None = None,
                 aux_layers: Sequence[int] | None = None, trust_remote_code: bool = False,
                 attn_implementation: str | None = None) -> HFTarget:
-    """A local HF directory, a `.gguf` file (converted once into the cache), or `gemma-3-270m`."""
+    """A local HF directory, a `.gguf` file (converted once into the cache), `gemma-3-270m`, or a tiny-* name
+    (TINY_TARGETS: a seeded random tiny model, for tests and smoke runs). The one way every verb loads a target."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     source = os.fspath(name_or_path)
+    if source in TINY_TARGETS:
+        return tiny_target(TINY_TARGETS[source], seed=0, aux_layers=aux_layers, device=dev, dtype=dt)
     model = tokenizer = None
     if source == EMBEDDED_DEFAULT:
         path = embedded_default_dir()

@@ -28,6 +28,7 @@ from rich.console import Console
 from rich.table import Table
 
 from draftport.errors import DraftportError, bad_input
+from draftport.model.target import load_target
 from draftport.safeio import atomic_write_json
 
 DEFAULT_SAMPLES = 64       # conversations compared (enough for stable CKA at H ≤ 8k; minutes on a CPU)
@@ -192,16 +193,6 @@ def check_tokenizers(tok_a, tok_b, conv_texts: list | None = None,
 # The verb
 
 
-def resolve_target(name: str, cfg, aux_layers=None):
-    """Load a target by --target-a/--target-b value (capture's loader: tiny-* names build test models)."""
-    from draftport.train.capture import CaptureConfig
-    from draftport.train.capture import resolve_target as capture_resolve
-
-    target, _ = capture_resolve(CaptureConfig(target=name, data="", out="", device=cfg.device, dtype=cfg.dtype,
-                                              aux_layers=aux_layers, trust_remote_code=cfg.trust_remote_code))
-    return target
-
-
 def set_aux_layers(target, layers: list[int], where: str) -> None:
     """Tap `layers` on this target from now on (capture and the offline τ read target.aux_layers)."""
     bad = [i for i in layers if not 0 <= int(i) <= target.num_layers]
@@ -215,7 +206,7 @@ def offline_tau(drafter_path: str, store, target, depth: int) -> dict:
     """Offline τ (offline.offline_accept_len) of the drafter on a store of `target`'s states, verified by
     `target`'s own head. The drafter reads `target`'s embedding unless its checkpoint carries one: behind
     B an engine shares B's embedding with the drafter, and that is what a plug-in gets."""
-    from draftport.decode.evaluate import load_drafter_for
+    from draftport.model.formats import load_drafter_for
     from draftport.decode.offline import offline_accept_len
 
     drafter = load_drafter_for(drafter_path, target)
@@ -250,8 +241,9 @@ def run_probe(cfg: ProbeConfig, target_a=None, target_b=None, console: Console |
     os.makedirs(cfg.out, exist_ok=True)
     dspec = load_drafter_spec(cfg.drafter) if cfg.drafter is not None else None
     with console.status("loading targets"):
-        target_a = target_a or resolve_target(cfg.target_a, cfg)
-        target_b = target_b or resolve_target(cfg.target_b, cfg)
+        load = dict(device=cfg.device, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code)
+        target_a = target_a or load_target(cfg.target_a, **load)
+        target_b = target_b or load_target(cfg.target_b, **load)
     if target_a.vocab_size != target_b.vocab_size:
         raise DraftportError(f"vocabularies differ: A's output head has {target_a.vocab_size} rows, B's "
                              f"{target_b.vocab_size}", cfg.target_b)

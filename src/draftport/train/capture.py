@@ -34,6 +34,7 @@ from rich.text import Text
 from draftport.check.layers import validate_aux_ids
 from draftport.errors import DraftportError, bad_input
 from draftport.safeio import atomic_write_json, read_json
+from draftport.model.target import load_target
 from draftport.data.store import MANIFEST, StoreWriter, bytes_per_token, clear_store, identity_mismatch
 from draftport.train.config import BATCH_ENGINES, REGEN_ENGINES
 
@@ -44,7 +45,6 @@ REGEN_CHUNK = 64       # prompts per saved regeneration chunk (at least)
 REGEN_CHUNK_BATCHES = 8  # batch engine: a chunk holds this many batches' prompts (the last answers drain it)
 REGEN_DIR = "regenerated"
 REGEN_FILE = "regenerated.jsonl"
-TINY_TARGETS = {"tiny-llama": "llama", "tiny-qwen2": "qwen2", "tiny-gemma3": "gemma3"}
 # what must be equal to resume; "request" keys come straight from the flags (checked before the
 # target loads), the rest are derived from the target and the data
 REGEN_KEYS = ("samples_per_prompt", "max_new_tokens", "temperature", "regen_batch_size", "regen_engine")  # its flags
@@ -100,21 +100,6 @@ def human_bytes(n: float) -> str:
             return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
         n /= 1000
     return f"{n} B"
-
-
-def resolve_target(cfg: CaptureConfig):
-    """Load the target named by --target (tiny-* names build a tiny random model for tests)."""
-    from draftport.model import target as target_mod
-
-    device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise DraftportError("--device cuda asked for, but no CUDA device is available")
-    dtype = cfg.dtype or ("bf16" if device.startswith("cuda") else "fp32")
-    if cfg.target in TINY_TARGETS:  # load_target takes real models only; tests and demos name tiny ones
-        return target_mod.tiny_target(TINY_TARGETS[cfg.target], seed=0, aux_layers=cfg.aux_layers,
-                                      device=device, dtype=dtype), dtype
-    return target_mod.load_target(cfg.target, device=device, dtype=dtype, aux_layers=cfg.aux_layers,
-                                  trust_remote_code=cfg.trust_remote_code), dtype
 
 
 def _name_or_abspath(x: str) -> str:
@@ -341,7 +326,8 @@ def run_capture(cfg: CaptureConfig, target=None, console: Console | None = None)
 
     if target is None:
         with console.status(f"loading target {cfg.target}"):
-            target, _ = resolve_target(cfg)
+            target = load_target(cfg.target, device=cfg.device, dtype=cfg.dtype, aux_layers=cfg.aux_layers,
+                                 trust_remote_code=cfg.trust_remote_code)
     aux_layers = list(validate_aux_ids(target.aux_layers, cfg.target, "the target's aux layers"))
     # a target passed in by a caller decides the compute dtype, whatever the flags said
     request["dtype"] = {torch.bfloat16: "bf16", torch.float32: "fp32"}.get(target.dtype, str(target.dtype))

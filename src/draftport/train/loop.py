@@ -44,9 +44,11 @@ from draftport.train import parallel
 from draftport.errors import DraftportError, bad_input
 from draftport.train.losses import DEFAULT_DECAY, conditional_hit_counts, simulated_accept_len
 from draftport.safeio import atomic_write_json
+from draftport.model.target import load_target
 from draftport.train.config import TrainConfig
 from draftport.train.samples import HeadCache, Samples, aux_inv_scale, ttt_inputs
 from draftport.train.ttt import TTTModel, enable_activation_checkpointing
+from draftport.model.formats import save_drafter
 
 EMBED = "drafter.embed_tokens."   # FQN prefix of the frozen target embedding: never checkpointed
 MIN_LR_RATIO = 0.1                # cosine decays to 10 % of the peak learning rate
@@ -177,15 +179,6 @@ def build_drafter(cfg: TrainConfig, target, data: "Samples", train_idx, console,
 
 # ---------------------------------------------------------------------------------------------
 # the run
-
-
-def load_train_target(cfg: TrainConfig, device: torch.device, dtype: str):
-    from draftport.model import target as target_mod
-    from draftport.train.capture import TINY_TARGETS
-
-    if cfg.target in TINY_TARGETS:  # tests and demos name tiny random targets
-        return target_mod.tiny_target(TINY_TARGETS[cfg.target], seed=0, device=device, dtype=dtype)
-    return target_mod.load_target(cfg.target, device=device, dtype=dtype, trust_remote_code=cfg.trust_remote_code)
 
 
 def request_config(cfg: TrainConfig, device: torch.device) -> dict:
@@ -369,7 +362,7 @@ def _run(cfg: TrainConfig, info, target, console) -> dict:
     dtype, B, k = run.dtype, run.batch_size, run.ttt_steps
     if target is None:
         with console.status(f"loading target {cfg.target}"):
-            target = load_train_target(cfg, dev, dtype)
+            target = load_target(cfg.target, device=dev, dtype=dtype, trust_remote_code=cfg.trust_remote_code)
     data_cfg = regenerated_data(cfg, out, request, target, info, console)
     data, train_idx, val_idx = load_samples(data_cfg, target, info, B, console)
     latest = newest_checkpoint(cfg, out, console)
@@ -434,7 +427,7 @@ def _run(cfg: TrainConfig, info, target, console) -> dict:
                               "min_ratio": MIN_LR_RATIO, "next_lr": lr_at(done, steps, peak, warmup)}}
 
         def write_model(d, full_sd):
-            ckpt.export_copy(drafter.spec, full_sd).save_pretrained(d, format="sglang", target=target, layers=layers)
+            save_drafter(ckpt.export_copy(drafter.spec, full_sd), d, format="sglang", target=target, layers=layers)
 
         return str(ckpt.save_training_state(out, done, model, opt, info, meta, write_model=write_model,
                                             keep_last=run.keep_last, skip=(EMBED,)))
