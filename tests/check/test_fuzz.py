@@ -47,8 +47,8 @@ from draftport.data.conversations import LoadStats, iter_json_array, load_conver
 from draftport.errors import DraftportError
 from draftport.check.inventory import DTYPE_SIZES, expected_inventory, read_inventory, read_safetensors_header
 from draftport.train.parallel import DistInfo
-from draftport.check.spec import (drafter_spec_from_dict, load_drafter_spec, load_target_spec, read_gguf_header,
-                                  target_spec_from_dict)
+from draftport.check.gguf import read_gguf_header
+from draftport.check.spec import drafter_spec_from_dict, load_drafter_spec, load_target_spec, target_spec_from_dict
 from draftport.data.store import Store, StoreWriter, read_shard_header
 
 FIXTURES = Path(__file__).parent.parent / "fixtures"

@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 from draftport.errors import DraftportError
+from draftport.check.gguf import read_gguf_header
 from draftport.check.spec import (DEFAULTS, drafter_spec_from_dict, load_drafter_spec, load_target_spec,
-                                  read_gguf_header, target_spec_from_dict)
+                                  target_spec_from_dict)
 
 # fixture -> (layout, H, target H, I, heads, kv heads, head_dim, layers, V, Vd, raw aux ids, key)
 DRAFTERS = {

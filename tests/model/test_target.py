@@ -12,8 +12,8 @@ import torch
 
 from draftport.errors import DraftportError
 from draftport.check.layers import default_aux_layers
-from draftport.model.target import (CACHE_MARKER, HFTarget, _save_converted, apply_logit_postprocessing,
-                              check_subword_tokenizer, load_target, tiny_target, tiny_tokenizer)
+from draftport.model.gguf import CACHE_MARKER, _save_converted, check_subword_tokenizer
+from draftport.model.target import HFTarget, apply_logit_postprocessing, load_target, tiny_target, tiny_tokenizer
 
 FAMILIES = ["llama", "qwen2", "gemma3"]
 
@@ -238,7 +238,7 @@ def test_one_gguf_parse_shares_a_reader_per_file_and_restores_the_class(tmp_path
     import gguf
     import numpy as np
 
-    from draftport.model.target import _one_gguf_parse
+    from draftport.model.gguf import _one_gguf_parse
 
     paths = []
     for name in ("a.gguf", "b.gguf"):
