@@ -1,47 +1,44 @@
 #!/usr/bin/env bash
-# The port study where drafters work (issue 22): chat target A (Gemma-3-270M after the recipe's chat fine-tuning),
-# A's drafter trained by the recipe (issue 21), derivatives B-code / B-chat / B-long of A (each A fine-tuned
-# further on its own mix: the Kimi-K2 → K2.5 analog, spanning drift), and for each B the probe (hidden-state
-# similarity per captured layer, plug-in τ offline) beside the plug-in eval (A's drafter on B with no training:
-# online τ, tok/s, the prompt-lookup floor and the hybrid of the same run); then, on the most drifted B, `draftport
-# study`: transfer (A's drafter fine-tuned on B's answers, vocab map kept) against scratch at 4 data sizes in tokens
-# spanning 16×, the same epochs for both; then examples/port_table.py's one table ($OUT/port.md + port.json).
+# The port study: does a drafter trained for target A still work on a derivative B of A (a fine-tuned copy, the
+# small-scale analog of Kimi-K2 → K2.5), and does fine-tuning it on B beat training one from scratch, with how much
+# data? Chat target A (Gemma-3-270M after the recipe's chat fine-tuning), A's drafter trained on A's own answers
+# (`train --regenerate`), derivatives B-code / B-chat / B-long of A (each A fine-tuned further on its own mix,
+# spanning drift), and for each B the probe (hidden-state similarity per captured layer, plug-in τ offline) beside
+# the plug-in eval (A's drafter on B with no training: online τ, tok/s, the prompt-lookup floor and the hybrid of
+# the same run); then, on the most drifted B, `draftport study`: transfer (A's drafter fine-tuned on B's answers,
+# vocab map kept) against scratch at 4 data sizes in tokens spanning 16×, the same epochs for both; then
+# examples/port_table.py's one table ($OUT/port.md + port.json).
 #
 # Stages (each skipped when its output exists; inside a stage every finished step is kept, and the study resumes
-# stage by stage, so a call cut off by its time limit reruns only what it had not finished). H200 estimates from
-# BENCHMARKS.md's recipe run (chat target 174 s; regeneration 68 prompts/s; training ≈ 40 k tok/s of wall time;
-# one eval of 10 prompts × 200 tokens with the floor and hybrid ≈ 25–30 s):
+# stage by stage, so a device call cut off by its time limit reruns only what it had not finished):
 #   data         $OUT/data/{heldout,a,study}.jsonl: the prompts split, disjoint (first HELDOUT held out, the next
-#                A_PROMPTS for A's drafter, the next STUDY_PROMPTS for the study on B)                        ~0 s
-#   chat         chat target A, $OUT/chat-a (examples/make_chat_target.py; skipped when CHAT_A is given)     ~180 s
-#                With the inputs below (make_study_data's command) A trains on the recipe's very examples
-#                (data_sha256 9a5ca02c…, make_chat_target's --max-chars 3000 undoing the longer cut), same seed and
-#                steps: a rebuild of BENCHMARKS.md's chat target, so the port stage's eval on A (the floor on
-#                MT-bench) is also issue 21's reproducibility check (floor 1.48 there, within ±0.05 asked).
-#   drafter-a    A's drafter by the recipe: `train --regenerate` on a.jsonl (A_PROMPTS × SAMPLES answers, then
-#                A_STEPS × A_BATCH online; skipped when DRAFTER_A is given)          ~90 s regen + ~200 s train = ~300 s
-#   derivatives  $OUT/derivatives/B-{code,chat} (examples/make_derivatives.py; DERIVATIVES=code,chat,long adds
-#                B-long, ~50 s more and ~60 s more in port)                                                  ~100 s
+#                A_PROMPTS for A's drafter, the next STUDY_PROMPTS for the study on B)
+#   chat         chat target A, $OUT/chat-a (examples/make_chat_target.py; skipped when CHAT_A is given). With the
+#                inputs below (make_study_data's command) A trains on the recipe's very examples, same seed and
+#                steps (make_chat_target's --max-chars 3000 undoing make_study_data's longer cut): A is a rebuild of
+#                the recipe's chat target
+#   drafter-a    A's drafter: `train --regenerate` on a.jsonl (A_PROMPTS × SAMPLES answers, then
+#                A_STEPS × A_BATCH online; skipped when DRAFTER_A is given)
+#   derivatives  $OUT/derivatives/B-{code,chat} (examples/make_derivatives.py; DERIVATIVES=code,chat,long adds B-long)
 #   port         per B: `draftport probe` (PROBE_SAMPLES of PROBE_DATA) and `draftport eval --hybrid` of A's drafter
-#                on B; the same eval on A (the τ it plugs in from)                          2 × 30 + 3 × 28 = ~145 s
+#                on B; the same eval on A (the τ it plugs in from)
 #   study-small  `draftport study` on the most drifted B (lowest top-layer cosine; STUDY_B overrides) at the smallest
 #                and the second-largest size (default 62.5k,250k): B regenerates the study prompts, capture, check,
-#                probe, plug-in eval, transfer and scratch trained and evaluated               ~50 + 30 + 170 + 100 = ~350 s
+#                probe, plug-in eval, transfer and scratch trained and evaluated
 #   study        the same study at all STUDY_SIZES (default 62.5k,125k,250k,1M: 16×, 1/16 … 1/4 and the whole):
-#                every stage of study-small reused, the other sizes added                                ~270 s
-#   table        examples/port_table.py → $OUT/port.md, $OUT/port.json                                    ~2 s
-# Whole chain ≈ 1,345 s ≈ 22.5 min of H200 time, which leaves a 30-minute session room for a machine's start and
-# for carrying the GGUF in; each stage fits one call of ≤ 10 minutes. Where a session has more time:
-# DERIVATIVES=code,chat,long, STUDY_PROMPTS=5000 STUDY_SIZES=125k,250k,500k,2M (≈ 29.5 min in all); to gain
-# time: DRAFTER_A and CHAT_A from an earlier call's machine, or a smaller A_STEPS.
+#                every stage of study-small reused, the other sizes added
+#   table        examples/port_table.py → $OUT/port.md, $OUT/port.json
+# The whole chain's time on one GPU, and the figures it gives, are in BENCHMARKS.md, "Port study: transfer to a
+# derivative target". For a larger study: DERIVATIVES=code,chat,long, STUDY_PROMPTS=5000
+# STUDY_SIZES=125k,250k,500k,2M; for a shorter one: DRAFTER_A and CHAT_A from an earlier run, or a smaller A_STEPS.
 # Pick stages with STAGES (or the first argument), comma-separated; default all. DRY_RUN=1 prints the commands.
 #
 # Inputs (nothing is downloaded):
 #   DRAFTPORT_GGUF       the base target: a .gguf file, an HF dir or gemma-3-270m (default gemma-3-270m)
 #   DRAFTPORT_PROMPTS    prompts JSONL, ≥ HELDOUT + A_PROMPTS + STUDY_PROMPTS lines (make_study_data.py, below)
-#   DRAFTPORT_CHAT_DATA  chat conversations: A's fine-tuning (the first CHAT_CONVS usable at CHAT_MAX_CHARS: 10,958
-#                        lines of make_study_data's file below), then B-chat's and B-long's slices of 1,000 each
-#                        (13,011 lines: every ShareGPT conversation from 4,000 on; ≥ 1,536 tokens long for B-long)
+#   DRAFTPORT_CHAT_DATA  chat conversations: A's fine-tuning (the first CHAT_CONVS usable at CHAT_MAX_CHARS), then
+#                        B-chat's and B-long's slices of 1,000 each (make_study_data's chat.jsonl below holds every
+#                        ShareGPT conversation from 4,000 on, cut long enough for B-long's 1,536 tokens)
 #   DRAFTPORT_CODE       code conversations for B-code (conversations 100–3,999: never the chat target's, never
 #                        a study prompt; ShareGPT past the prompts has almost none)
 #   CHAT_A, DRAFTER_A    an existing chat target / A's drafter (skip those stages)
@@ -58,7 +55,7 @@
 #   DERIVATIVE_ARGS="" (extra make_derivatives.py flags, e.g. "--steps 2 --batch-size 2 --max-len 64" for a CPU smoke)
 #
 #   python examples/make_study_data.py --out-dir data --prompts 11100 --code 1500 --code-skip 100 --code-until 4000 \
-#       --chat 13011 --chat-skip 4000 --max-chat-chars 6000     # 11,100 prompts, 1,350 code, 13,011 chat; 18 MB as .tgz
+#       --chat 13011 --chat-skip 4000 --max-chat-chars 6000     # prompts.jsonl, code.jsonl, chat.jsonl
 #   DRAFTPORT_GGUF=gemma.gguf DRAFTPORT_PROMPTS=data/prompts.jsonl DRAFTPORT_CHAT_DATA=data/chat.jsonl \
 #       DRAFTPORT_CODE=data/code.jsonl OUT=study bash examples/gpu_study.sh data,chat   # then drafter-a, …
 set -euo pipefail
@@ -70,7 +67,7 @@ BASE=${DRAFTPORT_GGUF:-gemma-3-270m}
 HELDOUT=${HELDOUT:-100}; A_PROMPTS=${A_PROMPTS:-6000}; STUDY_PROMPTS=${STUDY_PROMPTS:-2500}  # 5,000 answers ≈ 1.5 M tokens ≥ the 1M size
 SAMPLES=${SAMPLES:-2}; TEMPERATURE=${TEMPERATURE:-0.8}; REGEN_NEW=${REGEN_NEW:-256}; REGEN_BATCH=${REGEN_BATCH:-512}
 MAX_LEN=${MAX_LEN:-768}; A_STEPS=${A_STEPS:-400}; A_BATCH=${A_BATCH:-64}; A_LR=${A_LR:-1e-3}; TTT=${TTT:-4}
-A_GROUP=${A_GROUP:-0}  # train --group-by-length for A's drafter (0: random batches, as the recipe's measured run)
+A_GROUP=${A_GROUP:-0}  # train --group-by-length for A's drafter (0: random batches)
 CHAT_STEPS=${CHAT_STEPS:-700}; CHAT_BATCH=${CHAT_BATCH:-16}; CHAT_CONVS=${CHAT_CONVS:-10520}; CHAT_MAX_LEN=${CHAT_MAX_LEN:-512}
 CHAT_MAX_CHARS=${CHAT_MAX_CHARS:-3000}  # the recipe's cut: A's examples are the recipe's (make_chat_target --max-chars)
 CHAT_SKIP=${CHAT_SKIP:-auto}            # the derivatives' chat slices start after every conversation A read

@@ -1,11 +1,12 @@
 """Make a chat target: Gemma-3-270M after a short supervised fine-tuning on ShareGPT in Gemma's chat markup.
 
 The base Gemma-3-270M does not answer a question, it loops its prompt, so acceptance measured on it is
-not the chat regime speculative decoding is used in. About 100 s of fine-tuning on an H200 (the
-defaults: 700 steps × 16 sequences × ≤ 512 tokens, AdamW lr 5e-5) on ShareGPT rendered with draftport's
-named template "gemma" (`<start_of_turn>user\\n … <end_of_turn>\\n<start_of_turn>model\\n … <end_of_turn>`),
-the loss on the model turns only, gives a model that answers MT-bench coherently. Seeded, with a fixed
-data slice (the first --num-convs usable conversations at or after conversation --skip) and order.
+not the chat regime speculative decoding is used in. A few minutes of fine-tuning on one GPU (the defaults:
+700 steps × 16 sequences × ≤ 512 tokens, AdamW lr 5e-5) on ShareGPT rendered with draftport's named template
+"gemma" (`<start_of_turn>user\\n … <end_of_turn>\\n<start_of_turn>model\\n … <end_of_turn>`), the loss on the
+model turns only, gives a model that answers MT-bench coherently. examples/gpu_recipe.sh and gpu_study.sh make
+their chat target with it. Seeded, with a fixed data slice (the first --num-convs usable conversations at or
+after conversation --skip) and order.
 
 The result is a plain HF directory (config.json, model.safetensors, tokenizer files) that every
 draftport verb takes as --target, with two additions so that it behaves as the chat model it is:
@@ -174,8 +175,8 @@ def main(argv=None) -> int:
     p.add_argument("--num-convs", type=int, default=None, help="conversations to train on (default steps × batch)")
     # Why 3000: the cut decides which conversations count as usable (a first turn cut before any model turn drops
     # the conversation and the next one takes its place), so the same cut on a whole file and on one that
-    # make_study_data already cut (its --max-chat-chars, 3000 by default and in the recipe's run, 6000 for the
-    # study's longer derivative) picks the same conversations, and the same examples (data_sha256). 3000
+    # make_study_data already cut (its --max-chat-chars: 3000 by default, 6000 in the port study's command for its
+    # longer derivative) picks the same conversations, and the same examples (data_sha256). 3000
     # characters hold the 512 tokens of --max-len's default unless a token averages over 5.9 characters.
     p.add_argument("--max-chars", type=int, default=3000,
                    help="text per conversation kept before tokenizing (default 3000, the recipe's cut)")

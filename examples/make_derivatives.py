@@ -1,27 +1,25 @@
 """Make derivatives B1…Bn of a chat target A: each A after a further fine-tuning on its own mix, spanning drift.
 
-The small-scale analog of Kimi-K2 → K2.5 (issue 22): A is the chat target (examples/make_chat_target.py, Gemma's
-chat template); each derivative continues A's supervised fine-tuning (examples/sft.py: loss on the model turns,
-fp32 master weights under bf16 autocast, AdamW, warm-up + cosine) on a different mix, so the port study can ask
-whether A's drafter still works on a model that moved a little or a lot:
+The port study's targets B (examples/gpu_study.sh's `derivatives` stage; the small-scale analog of Kimi-K2 →
+K2.5): A is the chat target (examples/make_chat_target.py, Gemma's chat template); each derivative continues A's
+supervised fine-tuning (examples/sft.py: loss on the model turns, fp32 master weights under bf16 autocast, AdamW,
+warm-up + cosine) on a different mix, so the port study can ask whether A's drafter still works on a model that
+moved a little or a lot:
 
-    code   code conversations (make_target_b.is_code; make_study_data.py's code.jsonl: 1,350 of ShareGPT's
+    code   code conversations (make_target_b.is_code; make_study_data.py's code.jsonl: ShareGPT's code
            conversations 100–3,999, which A's fine-tuning skips), 400 steps × 16 × ≤ 512 tokens at lr 1e-4 (twice
-           A's lr, ≈ 4.7 epochs): the most drifted — a distribution A saw little of, trained hard. H200 ≈ 60 s of training (A's 700 × 16 × 512 took 108 s).
+           A's lr, several epochs): the most drifted — a distribution A saw little of, trained hard.
     chat   another slice of A's own kind of data (the 1,000 chat conversations after every one A's fine-tuning
            read: --chat-skip auto, from A's make_chat_target.json), 60 steps × 16 × ≤ 512 at lr 2e-5: close to A.
-           H200 ≈ 10 s of training.
     long   the next 1,000 chat conversations (after those B-chat read) at up to 1,536 tokens a sequence (A saw
-           ≤ 512), 120 steps × 8 at lr 5e-5: the same distribution at lengths A never trained on. H200 ≈ 30 s of
-           training.
+           ≤ 512), 120 steps × 8 at lr 5e-5: the same distribution at lengths A never trained on.
 
-Each adds ≈ 15 s of loading, tokenizing and saving: all three ≈ 2.5 minutes, each well under 3. Seeded, with a
-fixed data slice and order per derivative. Each lands in OUT/B-<name>/ (an HF directory every draftport verb
-takes as --target) with make_derivative.json beside it: the recipe, A's weights sha256, the data digest, the
-loss (first, last, the means of the first and last steps, every step), the wall time and the sha256 of
-model.safetensors (a record: bf16 GPU training is not bit-exact). A's tokenizer chat template and its
-`<end_of_turn>` eos travel with the weights, so B behaves as the chat model it is. A derivative whose record
-names the same recipe is skipped on a rerun (a cut-off call resumes with the next one).
+Each takes a few minutes at most on one GPU. Seeded, with a fixed data slice and order per derivative. Each lands
+in OUT/B-<name>/ (an HF directory every draftport verb takes as --target) with make_derivative.json beside it: the
+recipe, A's weights sha256, the data digest, the loss (first, last, the means of the first and last steps, every
+step), the wall time and the sha256 of model.safetensors (a record: bf16 GPU training is not bit-exact). A's
+tokenizer chat template and its `<end_of_turn>` eos travel with the weights, so B behaves as the chat model it is.
+A derivative whose record names the same recipe is skipped on a rerun (a cut-off call resumes with the next one).
 
     python examples/make_derivatives.py --target-a runs/chat-target --chat-data data/chat.jsonl \\
         --code-data data/code.jsonl --out runs/derivatives            # B-code, B-chat, B-long

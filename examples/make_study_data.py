@@ -1,5 +1,7 @@
-"""The GPU study's inputs from the ShareGPT package: prompts for regeneration and code conversations
-for target B. Deterministic (file order); small enough to travel to a GPU machine gzipped (~1.3 MB).
+"""The GPU recipes' inputs from the ShareGPT package, as plain JSONL files that travel to a GPU machine without the
+package: prompts for regeneration (DRAFTPORT_PROMPTS of examples/gpu_recipe.sh and gpu_study.sh), code
+conversations for the port study's code derivative (DRAFTPORT_CODE) and chat conversations for the chat target
+(DRAFTPORT_CHAT_DATA). Deterministic (file order).
 
     python examples/make_study_data.py --out-dir runs/data     # prompts.jsonl + code.jsonl
 

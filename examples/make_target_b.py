@@ -8,6 +8,10 @@ so B's training text is disjoint from the first --skip conversations the study u
 B is written as a plain HF directory (config.json, model.safetensors, tokenizer), which every draftport
 verb takes as --target; `make_target_b.json` beside it records the recipe and the loss.
 
+It makes a target B to try `draftport probe` and `draftport study` on, from any target A (examples/cpu_smoke.sh
+makes its B with it, from a tiny random Llama); examples/make_derivatives.py is the port study's set of
+derivatives of a chat target, several mixes and their records.
+
     python examples/make_target_b.py --target-a $DRAFTPORT_GGUF --data $DRAFTPORT_DATA --out runs/target-b
 
 Inputs are a target draftport loads (a .gguf file, an HF dir or `gemma-3-270m`) and conversations in

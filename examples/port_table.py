@@ -1,6 +1,8 @@
-"""The port study's one table (issue 22 parts 3 and 5): each derivative B's probe similarity at the top captured
-layer beside the plug-in τ of A's drafter on B and the floor, and the data ratio at which transfer reaches
-scratch's final τ on the most drifted B.
+"""The port study's summary: the last stage of examples/gpu_study.sh (`table`), one table from the files its earlier
+stages leave. Each derivative B's probe similarity (top captured layer, and every captured layer) beside the
+plug-in τ of A's drafter on B, the floor and the hybrid, whether the probe orders the Bs as their plug-in τ does,
+and, once `draftport study` has run on the most drifted B, transfer against scratch by data size and the data
+ratio at which transfer reaches scratch's final τ.
 
     python examples/port_table.py gpu-study            # writes gpu-study/port.md and gpu-study/port.json
 
@@ -13,8 +15,8 @@ Reads what examples/gpu_study.sh leaves under its OUT (each part optional except
 "Does the probe predict the plug-in τ" is answered by the rank agreement of top-layer cosine and online
 plug-in τ across the Bs (Spearman ρ; with 3 Bs only a full agreement or reversal means much, said so).
 
-`--most-drifted OUT` prints the name (B-<name>) of the B whose top-layer mean cosine is lowest, for the
-script's study stage; with no probe yet it prints --default.
+`--most-drifted OUT` prints the name (B-<name>) of the B whose top-layer mean cosine is lowest, for gpu_study.sh's
+study stages; with no probe yet it prints --default.
 """
 
 from __future__ import annotations
@@ -79,7 +81,7 @@ def collect(out: str) -> dict:
                      "floor_tau": floor.get("accept_len"), "floor_tok_s": floor.get("tok_s"),
                      "hybrid_tau": hybrid.get("accept_len"), "hybrid_tok_s": hybrid.get("tok_s"),
                      "match_rate": ev.get("match_rate"),
-                     # every captured layer, not the top one alone (issue 22 part 3: per-layer beside plug-in τ)
+                     # every captured layer, not the top one alone: which layer's drift tracks the plug-in τ
                      "layers": {k: {m: v.get(m) for m in ("cosine_mean", "cosine_p5", "cka", "norm_ratio")}
                                 for k, v in sorted(probe["similarity"].items(), key=lambda kv: int(kv[0]))}})
     if not rows:

@@ -1,4 +1,5 @@
-"""Supervised fine-tuning of a target on conversations: the loop make_target_b.py and make_chat_target.py share.
+"""Supervised fine-tuning of a target on conversations: the loop make_chat_target.py, make_derivatives.py and
+make_target_b.py share.
 
 A target is fine-tuned as a causal LM with the loss on the assistant tokens only (the loss mask
 `draftport.data.chat.tokenize_conversation` produces: each assistant turn's content and its end marker),
@@ -121,8 +122,8 @@ def lr_factor(step: int, steps: int, warmup_fraction: float) -> float:
 
 
 # What PyTorch's warnings say of an op with no deterministic kernel, of cuBLAS without its workspace setting, and
-# of SDPA's fused backwards ("cuDNN Attention defaults to a non-deterministic algorithm": the wording the sixteenth
-# session's builds logged, which the first two patterns did not match, so their record said none)
+# of SDPA's fused backwards ("cuDNN Attention defaults to a non-deterministic algorithm", which the first two
+# patterns do not match)
 _NONDETERMINISTIC = ("does not have a deterministic implementation", "is not deterministic",
                      "non-deterministic algorithm")
 
@@ -132,12 +133,11 @@ def deterministic_kernels(enabled: bool):
     """torch.use_deterministic_algorithms(True, warn_only=True) for a block, restored after; yields a list that
     collects, once each, the ops PyTorch warned have no deterministic kernel (other warnings are shown as usual).
     Why: bf16 training on a GPU is not bit-exact from run to run (atomics in some backward kernels, cuBLAS's
-    workspace), so two chat targets from one recipe differed in their weights and in their prompt-lookup floor
-    by up to 0.24 τ (BENCHMARKS.md, 2026-12-06). With these kernels two runs on one card and one software stack
-    should give one set of weights; an op left nondeterministic is named in the record instead of failing
-    the run. cuBLAS reads CUBLAS_WORKSPACE_CONFIG once, when it starts, so the calling script sets it before
-    anything runs on the GPU (make_chat_target.main); set later it changes nothing, and cuBLAS's warning lands
-    in the list."""
+    workspace), so two chat targets from one recipe can differ in their weights and in their prompt-lookup floor.
+    With these kernels two runs on one card and one software stack give one set of weights (BENCHMARKS.md,
+    "Reproducibility"); an op left nondeterministic is named in the record instead of failing the run. cuBLAS
+    reads CUBLAS_WORKSPACE_CONFIG once, when it starts, so the calling script sets it before anything runs on the
+    GPU (make_chat_target.main); set later it changes nothing, and cuBLAS's warning lands in the list."""
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -149,8 +149,7 @@ def deterministic_kernels(enabled: bool):
     torch.use_deterministic_algorithms(True, warn_only=True)
     try:
         # SDPA's math backend: deterministic mode only warns about the cuDNN / flash / memory-efficient
-        # backwards (their gradient sums use atomics), so two builds on one H200 still differed from the second
-        # step on (loss 1.6817 vs 1.6807; BENCHMARKS.md, sixteenth session)
+        # backwards (their gradient sums use atomics), so with them two builds still differ from the second step on
         with warnings.catch_warnings(record=True) as caught, sdpa_kernel([SDPBackend.MATH]):
             warnings.simplefilter("always")
             yield seen

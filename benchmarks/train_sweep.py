@@ -1,7 +1,10 @@
-"""A measured choice of the recipe's learning rate, batch and TTT length: short `draftport train` runs over a
-grid, on the same data, ranked by held-out simulated τ at depth 3 (the depth the recipe's eval runs).
+"""Training settings at equal samples: short `draftport train` runs over a grid of settings (learning rate, batch,
+TTT length, grouping, aux scaling, … any TrainConfig field), on the same data, ranked by held-out simulated τ at
+depth 3 (the depth the recipe's eval runs). The recipe's opt-in `sweep` stage runs it
+(`STAGES=sweep SWEEP_GRID=… bash examples/gpu_recipe.sh`) around the recipe's own settings; the measured sweeps
+are in BENCHMARKS.md, "Online training in the recipe".
 
-    python examples/train_sweep.py --target chat-target --chat-template gemma \\
+    python benchmarks/train_sweep.py --target chat-target --chat-template gemma \\
         --data recipe/train-chat/regenerated.jsonl --grid "lr=3e-4,1e-3,3e-3 ttt_steps=3,4,6 batch_size=32,64" \\
         --steps 200 --equal-tokens --set max_len=768 --set lm_head_from_target=true --device cuda --out sweep
 
