@@ -29,7 +29,7 @@ import torch
 
 from draftport.train.capture import SHARD_BYTES, capture_shard, length_batches, plan_shards
 from draftport.data.store import StoreWriter, bytes_per_token
-from draftport.decode.evaluate import sync
+from draftport.decode.measure import sync
 
 SHAPES = {
     # random weights of real shapes (no hub here); enough to time prefill and storage

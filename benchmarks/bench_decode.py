@@ -58,7 +58,9 @@ import traceback
 
 import torch
 
-from draftport.decode.evaluate import EvalConfig, decode_rate, hf_generate_rate, run_eval, sync, time_call
+from draftport.decode.measure import decode_rate, hf_generate_rate, sync, time_call
+from draftport.verbs.eval import EvalConfig, run_eval
+from draftport.verbs.flags import config_from
 from draftport.model.formats import load_drafter_for
 from draftport.model import native
 from emit import emit, emit_partial
@@ -266,7 +268,8 @@ def first_pass(args) -> str:
 
 
 def engines(target, drafter, args, depth: int, max_len: int = 1024, target_pass: str | None = None):
-    from draftport.decode.engine import EngineConfig, SpecEngine
+    from draftport.decode.engine import SpecEngine
+    from draftport.decode.options import EngineConfig
 
     tp = target_pass or first_pass(args)
     base = SpecEngine(target, None, EngineConfig(max_len=max_len, **pass_config(tp)))
@@ -293,7 +296,8 @@ def section_steps(target, drafter, args, hbm: float) -> dict:
         out[f"target_{T}_queued_ms"] = time_call(lambda: base.target_pass(ids, n, ar[:T], tril), dev, args.repeats,
                                                  inner=8)
     # the same passes before this version's kernel work (HF's eager norms, the default attention kernel)
-    from draftport.decode.engine import EngineConfig, SpecEngine
+    from draftport.decode.engine import SpecEngine
+    from draftport.decode.options import EngineConfig
     old = SpecEngine(target, None, EngineConfig(max_len=base.S, fuse=False, sdpa="default", target_pass="hf"))
     for T in (1, 8):
         ids = torch.zeros(T, dtype=torch.long, device=dev)
@@ -345,7 +349,8 @@ def section_target_pass(target, drafter, prompts, args, hbm: float, stop_ids=(),
     asked of an architecture without one) is recorded under its name and the others still run. warmup_s:
     the seconds to build a pass's engines and make the first call of each shape (compile, graph capture),
     which a serving process pays once; a pass the budget cannot fit is skipped with a note."""
-    from draftport.decode.engine import EngineConfig, SpecEngine
+    from draftport.decode.engine import SpecEngine
+    from draftport.decode.options import EngineConfig
 
     dev = target.device
     floor_ms = 1000.0 * weight_bytes(target.model) / hbm
@@ -436,7 +441,8 @@ def section_profile(target, drafter, args) -> dict:
     --target-pass: where a step's time goes under each (the before and after of a change), to weigh against
     the HBM floor before changing anything. Eager = no CUDA graph, so each kernel shows; a compiled pass runs
     its compiled region (its fused kernels are what the table counts)."""
-    from draftport.decode.engine import EngineConfig, SpecEngine
+    from draftport.decode.engine import SpecEngine
+    from draftport.decode.options import EngineConfig
 
     tables, out = [], {}
     for tp in args.target_passes:
@@ -465,7 +471,7 @@ def section_profile(target, drafter, args) -> dict:
 def engine_rate(engine, prompts, n_new: int, stop_ids=()) -> dict:
     """Decode tok/s of an engine over prompts (warm-up on the first excluded) and its τ; with prompt
     lookup also τ by the source of each cycle's drafts and by match length."""
-    from draftport.decode.evaluate import _split_tau
+    from draftport.decode.evaluate import split_tau
 
     engine.generate(prompts[0], min(n_new, 16), list(stop_ids))
     tok = secs = 0.0
@@ -480,12 +486,13 @@ def engine_rate(engine, prompts, n_new: int, stop_ids=()) -> dict:
     out = {"tok_s": decode_rate(int(tok), secs), "accept_len": sum(lens) / len(lens) if lens else None,
            "new_tokens": int(tok) + len(prompts)}
     if sources:
-        out.update(by_source=_split_tau(sources, lens), by_match_len=_split_tau(matches, lens))
+        out.update(by_source=split_tau(sources, lens), by_match_len=split_tau(matches, lens))
     return out
 
 
 def section_engine(target, drafter, prompts, args, stop_ids=()) -> dict:
-    from draftport.decode.engine import EngineConfig, SpecEngine
+    from draftport.decode.engine import SpecEngine
+    from draftport.decode.options import EngineConfig
 
     max_len = max(len(p) for p in prompts) + args.max_new_tokens + 64
     tp = first_pass(args)
@@ -548,14 +555,15 @@ EVAL_KEYS = ("accept_len", "tok_s", "baseline_tok_s", "speedup", "predicted_tok_
 
 def section_eval(target, drafter, dataset: str, mode: str, args, work: str) -> dict:
     tree = mode == "tree"
-    cfg = EvalConfig(target=args.target, drafter=args.drafter, prompts=dataset, max_samples=args.prompts_n,
-                     max_new_tokens=args.max_new_tokens, depth=args.tree_depth if tree else args.depth,
-                     topk=args.tree_topk if tree else 1, num_draft_tokens=args.tree_tokens if tree else None,
-                     device=args.device, dtype=args.dtype, out=os.path.join(work, f"eval-{dataset}-{mode}"),
-                     no_hf_baseline=True, timing_repeats=args.repeats, ngram_max=args.ngram_max,
-                     ngram_min=args.ngram_min, hybrid=args.hybrid and drafter is not None,
-                     ngram_min_match=args.ngram_min_match if args.hybrid and drafter is not None else None,
-                     **pass_config(first_pass(args)))
+    cfg = config_from(EvalConfig, dict(
+        target=args.target, drafter=args.drafter, prompts=dataset, max_samples=args.prompts_n,
+        max_new_tokens=args.max_new_tokens, depth=args.tree_depth if tree else args.depth,
+        topk=args.tree_topk if tree else 1, num_draft_tokens=args.tree_tokens if tree else None,
+        device=args.device, dtype=args.dtype, out=os.path.join(work, f"eval-{dataset}-{mode}"),
+        no_hf_baseline=True, timing_repeats=args.repeats, ngram_max=args.ngram_max,
+        ngram_min=args.ngram_min, hybrid=args.hybrid and drafter is not None,
+        ngram_min_match=args.ngram_min_match if args.hybrid and drafter is not None else None,
+        **pass_config(first_pass(args))))
     s = run_eval(cfg, target=target, drafter=drafter)
     return {k: s.get(k) for k in EVAL_KEYS}
 

@@ -45,7 +45,7 @@ import torch
 from draftport.data.chat import encode_prompt, resolve_chat_template, stop_token_ids
 from draftport.data.conversations import load_conversations
 from draftport.decode.batch import BatchConfig, BatchGenerator
-from draftport.decode.evaluate import sync
+from draftport.decode.measure import sync
 from draftport.model.target import load_target
 from draftport.train.regenerate import generate_ids_hf
 from emit import emit, emit_partial, write_atomic

@@ -30,15 +30,16 @@ import os
 import tempfile
 import time
 
-from draftport.decode.evaluate import EvalConfig, run_eval
+from draftport.verbs.eval import EvalConfig, run_eval
+from draftport.verbs.flags import config_from
 from draftport.model import native
 from draftport.model.target import load_target
 from draftport.study.demo import machine_info
 from emit import emit
 
-PASSES = {  # name -> (EvalConfig fields, native's constants for the run)
+PASSES = {  # name -> (eval's flag values, native's constants for the run)
     "native": ({"target_pass": "native"}, {}),
-    "native-fast": ({"target_pass": "native", "fast_attention": True}, {}),
+    "native-fast": ({"target_pass": "native", "invariant": False}, {}),
     "native-sdpa": ({"target_pass": "native"}, {"SMALL_QUERY_ROWS": 0}),
     "native-rows": ({"target_pass": "native"}, {"INVARIANT_LINEAR_ROWS": 16}),
     "hf": ({"target_pass": "hf"}, {}),
@@ -84,10 +85,11 @@ def main(argv=None) -> int:
               "machine": machine_info(str(target.device.type), str(target.dtype)), "passes": {}}
     for name in args.pass_list:
         fields, consts = PASSES[name]
-        cfg = EvalConfig(target=args.target, drafter=args.drafter, prompts=args.prompts, out=os.path.join(work, name),
-                         max_samples=args.max_samples, max_new_tokens=args.max_new_tokens, depth=args.depth,
-                         chat_template=args.chat_template, device=args.device, dtype=args.dtype, no_hf_baseline=True,
-                         **fields)
+        cfg = config_from(EvalConfig, dict(target=args.target, drafter=args.drafter, prompts=args.prompts,
+                                           out=os.path.join(work, name), max_samples=args.max_samples,
+                                           max_new_tokens=args.max_new_tokens, depth=args.depth,
+                                           chat_template=args.chat_template, device=args.device, dtype=args.dtype,
+                                           no_hf_baseline=True, **fields))
         t0 = time.perf_counter()
         with native.constants(**consts):
             summary = run_eval(cfg, target=target)

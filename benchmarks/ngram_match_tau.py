@@ -32,7 +32,8 @@ def _sequences(args, target, k):
     turn of the data after its history."""
     from draftport.data.chat import stop_token_ids, tokenize_conversation
     from draftport.data.conversations import load_conversations, load_prompts
-    from draftport.decode.engine import EngineConfig, SpecEngine
+    from draftport.decode.engine import SpecEngine
+    from draftport.decode.options import EngineConfig
     from draftport.decode.evaluate import encode_prompts
     from draftport.decode.offline import response_segments
 

@@ -83,15 +83,18 @@ def evaluate(args, target, point: dict, set_name: str, spec: str) -> dict | None
     """The point's eval on the set: the finished one if any, else run now (None with --no-eval)."""
     from rich.console import Console
 
-    from draftport.decode.evaluate import EvalConfig, load_drafter_for, run_eval
+    from draftport.verbs.eval import EvalConfig, run_eval
+    from draftport.verbs.flags import config_from
+    from draftport.model.formats import load_drafter_for
 
     done = finished(args, point, set_name)
     if done is not None or args.no_eval:
         return done
     out = os.path.join(args.out, set_name, point["name"])
-    cfg = EvalConfig(target=args.target, drafter=point["path"], prompts=spec, out=out, max_samples=args.max_samples,
-                     max_new_tokens=args.max_new_tokens, depth=args.depth, device=args.device,
-                     chat_template=args.chat_template, no_hf_baseline=True, hybrid=True, seed=args.seed)
+    cfg = config_from(EvalConfig, dict(target=args.target, drafter=point["path"], prompts=spec, out=out,
+                                       max_samples=args.max_samples, max_new_tokens=args.max_new_tokens,
+                                       depth=args.depth, device=args.device, chat_template=args.chat_template,
+                                       no_hf_baseline=True, hybrid=True, seed=args.seed))
     drafter = load_drafter_for(point["path"], target)
     print(f"learning_curve: {set_name} at {token_label(point['tokens'])} tokens ({point['path']})", file=sys.stderr)
     return run_eval(cfg, target=target, drafter=drafter, console=Console(stderr=True))
@@ -143,7 +146,7 @@ def main(argv=None) -> int:
     if not points:
         raise DraftportError("no milestones (train --save-at-tokens) and no final drafter", args.run)
     sets, extra = parse_sets(args.sets), parse_sets(args.extra_sets)
-    from draftport.train.capture import TINY_TARGETS
+    from draftport.model.target import TINY_TARGETS
 
     target = None
     if not args.no_eval:

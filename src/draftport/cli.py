@@ -13,8 +13,10 @@ import importlib
 import os
 import sys
 
+from draftport.decode.options import NATIVE_COMPILE, REGEN_ENGINES, SDPA_CHOICES, TARGET_PASSES
 from draftport.errors import DraftportError, is_disk_full, report
 from draftport.safeio import FAILED_FILE, clean_failed_out, default_out
+from draftport.verbs.flags import config_from
 
 # verb -> (module, config dataclass, main function). The config's fields carry the same names as the
 # argparse dests below; `config_from_args` copies the ones the dataclass declares.
@@ -23,8 +25,8 @@ VERBS = {
     "economics": ("draftport.verbs.economics", "EconomicsConfig", "main"),
     "capture": ("draftport.train.capture", "CaptureConfig", "main"),
     "train": ("draftport.train.loop", "TrainConfig", "main"),
-    "eval": ("draftport.decode.evaluate", "EvalConfig", "main"),
-    "generate": ("draftport.decode.evaluate", "GenerateConfig", "generate_main"),
+    "eval": ("draftport.verbs.eval", "EvalConfig", "main"),
+    "generate": ("draftport.verbs.generate", "GenerateConfig", "main"),
     "probe": ("draftport.study.probe", "ProbeConfig", "main"),
     "export": ("draftport.model.export", "ExportConfig", "export_main"),
     "study": ("draftport.study.study", "StudyConfig", "main"),
@@ -35,9 +37,8 @@ WRITING_VERBS = {"capture", "train", "eval", "probe", "export", "study", "demo"}
 
 
 def config_from_args(cls, args: argparse.Namespace):
-    """Build a verb's dataclass config from the parsed flags (fields absent from args keep defaults)."""
-    names = {f.name for f in dataclasses.fields(cls)}
-    return cls(**{k: v for k, v in vars(args).items() if k in names})
+    """Build a verb's dataclass config from the parsed flags (verbs/flags.config_from)."""
+    return config_from(cls, vars(args))
 
 
 def _int_list(text: str) -> list[int]:
@@ -100,15 +101,15 @@ def _add_common(p: argparse.ArgumentParser, *, target=False, data=False, out=Fal
         p.add_argument("--num-draft-tokens", type=int, default=None, help="tree: tokens verified per cycle (default 8)")
         p.add_argument("--fuse", action=argparse.BooleanOptionalAction, default=None,
                        help="compiled norms / rotary and grouped attention in the target pass (default: on CUDA)")
-        p.add_argument("--sdpa", default="auto", choices=["auto", "default", "efficient", "math", "cudnn"],
+        p.add_argument("--sdpa", default="auto", choices=list(SDPA_CHOICES),
                        help="target attention kernel; auto: graphed passes time each and keep the fastest")
-        p.add_argument("--target-pass", default="auto", choices=["auto", "hf", "native"],
+        p.add_argument("--target-pass", default="auto", choices=list(TARGET_PASSES),
                        help="the target's forward: native (Llama, Qwen2, Qwen3, Gemma-3 over the HF weights), hf (the HF "
                             "modules); auto: native where the architecture has one")
-        p.add_argument("--native-compile", default="layer", choices=["layer", "whole"],
+        p.add_argument("--native-compile", default="layer", choices=list(NATIVE_COMPILE),
                        help="native pass on CUDA: torch.compile each layer's two halves (layer) or the whole pass "
                             "as one region (whole)")
-        p.add_argument("--fast-attention", action="store_true",
+        p.add_argument("--fast-attention", dest="invariant", action="store_const", const=False, default=None,
                        help="native pass: the small-query attention unpadded — a faster step (see BENCHMARKS.md), "
                             "but a verify may round a row unlike a 1-token step, so bf16 "
                             "speculative text can leave the no-speculation greedy text")
@@ -132,8 +133,6 @@ def _add_regen(p: argparse.ArgumentParser, batch_default: str) -> None:
     p.add_argument("--samples-per-prompt", type=int, default=1, help="regeneration: answers per prompt")
     p.add_argument("--regen-batch-size", type=int, default=None,
                    help=f"regeneration: sequences generated together (default {batch_default}; GPUs want hundreds)")
-    from draftport.train.config import REGEN_ENGINES
-
     p.add_argument("--regen-engine", default="batch", choices=list(REGEN_ENGINES),
                    help="regeneration: batch = the static-cache batch engine (CUDA-graphed), batch-flex = the same "
                         "with flex decode attention (each row reads only its visible key blocks), hf = HF generate")

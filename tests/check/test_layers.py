@@ -57,7 +57,8 @@ def test_a_vllm_drafter_is_fed_the_same_layers_by_eval_as_by_export(tmp_path):
     export, train --init-from, the exported copy and a fresh target wrapper all answer with the same layers."""
     import torch
 
-    from draftport.decode.engine import EngineConfig, SpecEngine
+    from draftport.decode.engine import SpecEngine
+    from draftport.decode.options import EngineConfig
     from draftport.model.drafter import Eagle3Drafter
     from draftport.model.formats import load_drafter, plan_aux_ids
     from draftport.model.target import tiny_target

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from draftport.decode.batch import BatchConfig, BatchGenerator, fill_order
-from draftport.decode.engine import EngineConfig, SpecEngine
+from draftport.decode.engine import SpecEngine
+from draftport.decode.options import EngineConfig
 from draftport.errors import DraftportError
 from draftport.model.target import tiny_target
 

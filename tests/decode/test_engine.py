@@ -19,7 +19,8 @@ from scipy.stats import chisquare
 
 from draftport.decode import sampling
 from draftport.model.drafter import Eagle3Drafter
-from draftport.decode.engine import EngineConfig, SpecEngine
+from draftport.decode.engine import SpecEngine
+from draftport.decode.options import EngineConfig
 from draftport.errors import DraftportError
 from draftport.model.target import tiny_target
 

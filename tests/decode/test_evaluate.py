@@ -11,6 +11,9 @@ import torch
 
 from test_offline import greedy, train_tiny_drafter
 from draftport.model.formats import save_drafter
+from draftport.verbs.eval import EvalConfig, render_eval, render_floor, run_eval
+from draftport.verbs.flags import config_from
+from draftport.verbs.generate import GenerateConfig
 
 PROMPTS = ["Hello, how are you today?", "def add(a, b):", "What is the capital of France?"]
 N = 24  # new tokens per prompt
@@ -42,10 +45,8 @@ def tiny(tmp_path_factory):
 
 
 def run(tiny, out, **kw):
-    from draftport.decode.evaluate import EvalConfig, run_eval
-
-    cfg = EvalConfig(target="tiny", drafter="tiny", prompts=tiny["prompts"], out=str(out), max_new_tokens=N,
-                     timing_repeats=2, no_hf_baseline=True, **kw)
+    cfg = config_from(EvalConfig, dict(target="tiny", drafter="tiny", prompts=tiny["prompts"], out=str(out),
+                                       max_new_tokens=N, timing_repeats=2, no_hf_baseline=True, **kw))
     return run_eval(cfg, target=tiny["target"], drafter=tiny["drafter"])
 
 
@@ -187,7 +188,6 @@ def test_eval_on_gemma_is_lossless(gemma_target, tmp_path):
     """The real Gemma-3-270M (fp32, plain chat template, 262k vocabulary, sliding windows) with a random
     drafter: speculative output == no-speculation output, and offline τ == online τ."""
     from draftport.model.drafter import Eagle3Drafter
-    from draftport.decode.evaluate import EvalConfig, run_eval
 
     t = gemma_target
     cfg = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": t.hidden_size,
@@ -251,11 +251,10 @@ def test_eval_reports_the_floor_and_the_hybrid(tiny, tmp_path):
 
 
 def test_eval_with_drafter_ngram(tiny, tmp_path):
-    from draftport.decode.evaluate import EvalConfig, render_eval, render_floor, run_eval
     from rich.console import Console
 
-    cfg = EvalConfig(target="tiny", drafter="ngram", prompts=tiny["prompts"], out=str(tmp_path), max_new_tokens=N,
-                     depth=2, timing_repeats=2, no_hf_baseline=True)
+    cfg = config_from(EvalConfig, dict(target="tiny", drafter="ngram", prompts=tiny["prompts"], out=str(tmp_path),
+                                       max_new_tokens=N, depth=2, timing_repeats=2, no_hf_baseline=True))
     s = run_eval(cfg, target=tiny["target"])
     assert s["match_rate"] == 1.0 and s["offline_mode"] == "ngram" and s["floor"]["same_run"] is True
     assert s["offline_accept_len"] == pytest.approx(s["accept_len"], abs=1e-12)
@@ -270,15 +269,16 @@ def test_eval_with_drafter_ngram(tiny, tmp_path):
 
 def test_cli_lookup_flags(tiny, tmp_path, capsys):
     from draftport.cli import build_parser, config_from_args, main
-    from draftport.decode.evaluate import EvalConfig, GenerateConfig
 
     args = build_parser().parse_args(["eval", "--target", "t", "--drafter", "d", "--hybrid", "--ngram-max", "4",
                                       "--ngram-min", "2", "--ngram-min-match", "3", "--depth", "5"])
     cfg = config_from_args(EvalConfig, args)
-    assert (cfg.hybrid, cfg.ngram_max, cfg.ngram_min, cfg.ngram_min_match, cfg.depth) == (True, 4, 2, 3, 5)
+    lk = cfg.lookup
+    assert (lk.hybrid, lk.ngram_max, lk.ngram_min, lk.ngram_min_match, cfg.engine.depth) == (True, 4, 2, 3, 5)
     g = config_from_args(GenerateConfig, build_parser().parse_args(["generate", "--target", "t", "--prompt", "x",
                                                                     "--drafter", "ngram"]))
-    assert (g.drafter, g.hybrid, g.ngram_max, g.ngram_min, g.ngram_min_match) == ("ngram", False, 3, 1, None)
+    assert (g.drafter, g.lookup.hybrid, g.lookup.ngram_max, g.lookup.ngram_min, g.lookup.ngram_min_match) == (
+        "ngram", False, 3, 1, None)
     common = ["generate", "--target", tiny["target_dir"], "--prompt", PROMPTS[0], "--max-new-tokens", "16",
               "--device", "cpu", "--json"]
     assert main(common + ["--drafter", "ngram", "--ngram-max", "2"]) == 0

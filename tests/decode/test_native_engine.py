@@ -15,7 +15,8 @@ import torch
 
 from draftport.decode import sampling
 from draftport.decode.batch import BatchConfig, BatchGenerator
-from draftport.decode.engine import EngineConfig, SpecEngine
+from draftport.decode.engine import SpecEngine
+from draftport.decode.options import EngineConfig
 from draftport.errors import DraftportError
 from draftport.model.drafter import Eagle3Drafter
 from draftport.model.native import choose_target_pass
@@ -129,7 +130,8 @@ def test_fast_attention_flag_reaches_the_native_pass(targets):
     (EngineConfig.invariant off, reported in the engine's native section); without it, the engine's default
     (padded on CUDA, so unpadded here on the CPU, where an explicit invariant=True still pads)."""
     from draftport.cli import build_parser, config_from_args
-    from draftport.decode.evaluate import EvalConfig, GenerateConfig, target_pass_settings
+    from draftport.verbs.eval import EvalConfig
+    from draftport.verbs.generate import GenerateConfig
 
     parser = build_parser()
     for verb, cls, extra in (("eval", EvalConfig, ["--drafter", "ngram"]), ("generate", GenerateConfig, ["--prompt", "hi"])):
@@ -138,7 +140,7 @@ def test_fast_attention_flag_reaches_the_native_pass(targets):
                 settings = {"invariant": True}
             else:
                 cfg = config_from_args(cls, parser.parse_args([verb, "--target", "tiny-llama", *extra, *flag]))
-                settings = target_pass_settings(cfg)
+                settings = {"invariant": cfg.engine.invariant}
             assert settings["invariant"] is asked
             eng = SpecEngine(targets["llama"], None, _cfg(**settings))
             seen = []

@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 from scipy.stats import chisquare
 
 from draftport.decode import sampling
-from draftport.decode.engine import EngineConfig, SpecEngine
+from draftport.decode.engine import SpecEngine
+from draftport.decode.options import EngineConfig
 from draftport.decode.ngram import PromptLookup, lookup, offline_walk
 from draftport.errors import DraftportError
 from draftport.model.target import tiny_target

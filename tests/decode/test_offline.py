@@ -27,7 +27,8 @@ def drafter_config(target, vocab: int | None = None) -> dict:
 
 
 def greedy(target, prompt_ids: list[int], n: int) -> list[int]:
-    from draftport.decode.engine import EngineConfig, SpecEngine
+    from draftport.decode.engine import SpecEngine
+    from draftport.decode.options import EngineConfig
 
     return SpecEngine(target, None, EngineConfig(max_len=len(prompt_ids) + n + 8)).generate(prompt_ids, n).token_ids
 
@@ -90,7 +91,8 @@ def test_offline_walk_equals_online_cycles(setup, depth):
     """Greedy fp32: per prompt, the offline walk over the target's own greedy continuation yields exactly
     the online engine's accept lengths, cycle by cycle (exact: same drafter inputs, same key sets at the
     same relative RoPE positions, same target argmaxes — only fp32 summation order differs)."""
-    from draftport.decode.engine import EngineConfig, SpecEngine
+    from draftport.decode.engine import SpecEngine
+    from draftport.decode.options import EngineConfig
     from draftport.decode.offline import offline_accept_len, sample_walk
 
     target, drafter, prompts = setup

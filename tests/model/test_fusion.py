@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from draftport.decode.engine import EngineConfig, SpecEngine
+from draftport.decode.engine import SpecEngine
+from draftport.decode.options import EngineConfig
 from draftport.model.fusion import FusedTarget
 from draftport.model.ops import rms_norm_unit_offset, rms_norm_weight_after_cast
 from draftport.model.target import tiny_target

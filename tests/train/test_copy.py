@@ -135,7 +135,8 @@ def decode_prompts(n: int = 16):
 def test_target_greedy_continues_the_repeat(trained):
     """The property the copy test rests on: the target's own greedy text after two copies of a fresh
     segment is the segment again (plain decoding, no drafter)."""
-    from draftport.decode.engine import EngineConfig, SpecEngine
+    from draftport.decode.engine import SpecEngine
+    from draftport.decode.options import EngineConfig
 
     target = trained[0]
     plain = SpecEngine(target, None, EngineConfig(max_len=128))
@@ -148,7 +149,8 @@ def test_trained_drafter_copies_at_depth_3(trained):
     """Chain depth 3, greedy, fresh prompts: each of the three draft positions is accepted ≥ 95 % of
     cycles; the output is the target's (the repeat); the offline walk over the same text gives the
     same cycles, and the trainer's simulated τ on held-out store samples agrees with the online τ."""
-    from draftport.decode.engine import EngineConfig, SpecEngine
+    from draftport.decode.engine import SpecEngine
+    from draftport.decode.options import EngineConfig
     from draftport.decode.offline import offline_accept_len
 
     target, _, summary, drafter = trained
@@ -189,7 +191,8 @@ def test_engine_drafter_inputs_equal_the_training_forward(trained, monkeypatch):
     Same aux given to both: equal to fp32 rounding; the engine's aux vs the store's: equal to the
     store's bf16 rounding."""
     from draftport.data.store import Store, collate
-    from draftport.decode.engine import EngineConfig, SpecEngine
+    from draftport.decode.engine import SpecEngine
+    from draftport.decode.options import EngineConfig
     from draftport.train import parallel
     from draftport.train import ttt as ttt_mod          # TTTModel's unroll calls the fused loss from here
     from draftport.train.samples import ttt_inputs

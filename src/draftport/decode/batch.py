@@ -45,11 +45,10 @@ import torch
 from draftport.decode import sampling
 from draftport.errors import DraftportError
 from draftport.model.kvcache import KVCache, attention_layout, row_block_masks, row_masks, visible
-from draftport.model.native import (PREFILL_SCOPE, SMALL_QUERY_ROWS, check_target_pass, choose_target_pass,
-                                    native_decoder)
+from draftport.decode.options import DECODE_ATTENTION, check_target_pass, check_warp
+from draftport.model.native import PREFILL_SCOPE, SMALL_QUERY_ROWS, choose_target_pass, native_decoder
 
 MAX_STOP_IDS = 64  # stop ids a call may name (a fixed-size device buffer the graph compares against)
-DECODE_ATTENTION = ("dense", "flex")
 
 
 @dataclass
@@ -83,7 +82,7 @@ class BatchConfig:
         if self.batch_size < 1 or self.max_len < 2 or self.check_every < 1 or self.prefill_tokens < 1:
             raise DraftportError(f"batch generation needs batch_size, check_every, prefill_tokens >= 1 and max_len >= 2 "
                                  f"(got {self.batch_size}, {self.check_every}, {self.prefill_tokens}, {self.max_len})")
-        sampling.check_warp(self.temperature, self.top_p)
+        check_warp(self.temperature, self.top_p)
         check_target_pass(self.target_pass)
         if self.decode_attention not in DECODE_ATTENTION or self.flex_block < 1:
             raise DraftportError(f"decode_attention must be one of {', '.join(DECODE_ATTENTION)} and flex_block >= 1 "

@@ -30,7 +30,6 @@ one host copy (_lookup_cycle).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import inspect
 import time
 import warnings
@@ -39,74 +38,17 @@ from dataclasses import dataclass, field
 import torch
 
 from draftport.decode import sampling
-from draftport.decode.graphs import SDPA_CHOICES, Graphed, GraphSet
+from draftport.decode.graphs import Graphed, GraphSet
+from draftport.decode.options import EngineConfig
 from draftport.model.fusion import FusedTarget
 from draftport.model.kvcache import KVCache, additive_masks, attention_layout
-from draftport.model.native import SCOPES, check_target_pass, choose_target_pass, native_decoder
+from draftport.model.native import choose_target_pass, native_decoder
 from draftport.errors import DraftportError
 
 
 # ---------------------------------------------------------------------------------------------
 # Configuration and results
 # ---------------------------------------------------------------------------------------------
-
-@dataclass
-class EngineConfig:
-    depth: int | None = None             # k: drafter steps per cycle (default: chain 3, tree 5)
-    topk: int = 1                        # 1 = chain; K > 1 = EAGLE-2 dynamic tree with K children a node
-    num_draft_tokens: int | None = None  # tree: nodes verified per cycle, root included (default 8)
-    temperature: float = 0.0             # 0 = greedy; otherwise the warp applied to target and drafter
-    top_p: float = 1.0                   # nucleus warp, applied with the temperature
-    max_len: int = 2048                  # cache slots (prompt + new tokens + one cycle's drafts)
-    use_cuda_graphs: bool | None = None  # None: True on CUDA, False on CPU
-    seed: int = 0                        # seeds the engine's torch.Generator (sampling only)
-    aux_layers: list[int] | None = None  # target layers fed to the drafter (default: what it was trained on)
-    fuse: bool | None = None             # compiled norms / rotary in the target pass (None: on CUDA); fusion.py
-    sdpa: str = "auto"                   # target attention kernel: auto (graphed passes time each) | default |
-                                         # efficient | math | cudnn
-    graph_draft_phase: bool = True       # with CUDA graphs: a cycle's whole draft phase (extend, steps, tree
-                                         # bookkeeping) as one graph, not one per drafter step (greedy only)
-    ngram_no_match: str = "step"         # prompt lookup alone, a cycle whose lookup found no match: "step"
-                                         # verifies the last token only (a plain step), "pad" verifies k
-                                         # drafts of the last token anyway (one verify shape)
-    target_pass: str = "auto"            # the target's forward: "native" (model/native.py, Llama / Qwen2 / Qwen3 /
-                                         # Gemma-3), "hf" (the HF modules), "auto" (native where supported)
-    native_compile: str = "layer"        # native on CUDA with fuse: torch.compile each layer's halves ("layer")
-                                         # or the whole pass as one region ("whole"); native.SCOPES
-    invariant: bool | None = None        # native: a verify's rows round as a 1-token step's (native.attend's
-                                         # padding), so bf16 speculative greedy is the plain greedy text; False:
-                                         # the unpadded, faster small-query attention (--fast-attention). None: on
-                                         # CUDA, whose kernels follow the row count (on the CPU the padding's
-                                         # extra products would buy nothing the fp32 default needs)
-
-    @property
-    def is_tree(self) -> bool:
-        return self.topk > 1
-
-    def resolved(self) -> "EngineConfig":
-        """SGLang's defaults filled in (docs/design.md, Decoding), and the values checked."""
-        depth = self.depth if self.depth is not None else (5 if self.is_tree else 3)
-        nodes = self.num_draft_tokens if self.num_draft_tokens is not None else (8 if self.is_tree else depth + 1)
-        if self.topk < 1 or depth < 1:
-            raise DraftportError(f"--topk and --depth must be >= 1 (got topk {self.topk}, depth {depth})")
-        if self.is_tree:
-            most = 1 + self.topk + (depth - 1) * self.topk ** 2
-            if not 2 <= nodes <= most:
-                raise DraftportError(f"--num-draft-tokens {nodes} is out of range for topk {self.topk}, depth "
-                                     f"{depth}: a tree verifies 2..{most} nodes (root included)")
-        elif nodes != depth + 1:
-            raise DraftportError(f"a chain of depth {depth} verifies {depth + 1} tokens; --num-draft-tokens "
-                                 f"{nodes} only applies to trees (--topk > 1)")
-        sampling.check_warp(self.temperature, self.top_p)
-        if self.sdpa not in SDPA_CHOICES:
-            raise DraftportError(f"sdpa must be one of {', '.join(SDPA_CHOICES)} (got {self.sdpa!r})")
-        if self.ngram_no_match not in ("step", "pad"):
-            raise DraftportError(f"ngram_no_match must be 'step' or 'pad' (got {self.ngram_no_match!r})")
-        check_target_pass(self.target_pass)
-        if self.native_compile not in SCOPES:
-            raise DraftportError(f"native_compile must be one of {', '.join(SCOPES)} (got {self.native_compile!r})")
-        return dataclasses.replace(self, depth=depth, num_draft_tokens=nodes)
-
 
 @dataclass
 class Timings:
@@ -328,8 +270,7 @@ class SpecEngine:
         return sampling.sample(sampling.warp_probs(logits, self.cfg.temperature, self.cfg.top_p), self._gen)
 
     def _check_room(self, prompt_len: int, max_new_tokens: int) -> None:
-        c = self.cfg
-        per_cycle = 1 if self.drafter is None and self.lookup is None else max(c.num_draft_tokens, c.depth + 1, (c.depth - 1) * c.topk + 1)
+        per_cycle = 1 if self.drafter is None and self.lookup is None else self.cfg.cycle_slots()
         need = prompt_len + max_new_tokens + per_cycle
         if need > self.S:
             raise DraftportError(f"a {prompt_len}-token prompt plus {max_new_tokens} new tokens needs {need} "

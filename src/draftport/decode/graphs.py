@@ -12,9 +12,6 @@ import functools
 import torch
 
 
-SDPA_CHOICES = ("auto", "default", "efficient", "math", "cudnn")
-
-
 def sdpa_context(choice: str):
     """The scaled-dot-product-attention kernels a target pass may use. Why choose: the default (cuDNN)
     kernel is slow for a multi-token verify against a masked cache and fast for one token, and the best

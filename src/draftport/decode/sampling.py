@@ -17,7 +17,6 @@ from dataclasses import dataclass
 
 import torch
 
-from draftport.errors import DraftportError
 
 
 # ---------------------------------------------------------------------------------------------
@@ -303,9 +302,3 @@ def tree_sample_accept(tree: DraftTree, target_probs: torch.Tensor, generator: t
         r = torch.where(moved[:, None], target_probs[rows, cur].float(), r)
         alive = alive & moved
     return a, path, sample(r, generator)
-
-
-def check_warp(temperature: float, top_p: float) -> None:
-    """The sampling warp's valid range, checked where a config is built (engine, batch generator)."""
-    if temperature < 0 or not 0 < top_p <= 1:
-        raise DraftportError(f"need temperature >= 0 and 0 < top_p <= 1 (got {temperature}, {top_p})")

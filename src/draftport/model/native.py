@@ -49,6 +49,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
+from draftport.decode.options import NATIVE_COMPILE
 from draftport.errors import DraftportError
 from draftport.model.ops import rms_norm, rotary_half_split
 from draftport.model.target import apply_logit_postprocessing
@@ -59,17 +60,10 @@ FAMILIES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text":
 # RoPE variants whose frequencies change with the sequence length at run time (HF's dynamic_rope_update):
 # a fixed table cannot reproduce them.
 _DYNAMIC_ROPE = ("dynamic", "longrope")
-TARGET_PASSES = ("auto", "hf", "native")  # EngineConfig.target_pass, BatchConfig.target_pass, --target-pass
-SCOPES = ("layer", "whole")  # what enable_compile compiles: each layer's two halves, or the whole pass
+SCOPES = NATIVE_COMPILE  # what enable_compile compiles: each layer's two halves ("layer"), or the whole pass
 # enable_compile's third scope, for the batch engine's prefills only: the layer halves under names of their own
 # (prefill_attn_in, …), compiled for dynamic shapes
 PREFILL_SCOPE = "prefill"
-
-
-def check_target_pass(value: str) -> None:
-    """One message for a bad target_pass, whichever config carries it (engine, batch generator)."""
-    if value not in TARGET_PASSES:
-        raise DraftportError(f"target_pass must be one of {', '.join(TARGET_PASSES)} (got {value!r})")
 
 
 def _text_config(model):

@@ -307,7 +307,7 @@ def prediction_errors(ev: dict, depth: int) -> list[list]:
     """The prediction's two inputs checked separately: cycle time (isolated steps vs the decoding's own
     cycles) and τ (offline vs online); their errors can cancel in the tok/s figure."""
     from draftport.economics import cycle_time_ms
-    from draftport.decode.evaluate import rel_err
+    from draftport.decode.measure import rel_err
 
     iso = ev.get("isolated_ms") or {}
     pred_cycle = None

@@ -36,7 +36,7 @@ from draftport.errors import DraftportError, bad_input
 from draftport.safeio import atomic_write_json, read_json
 from draftport.model.target import load_target
 from draftport.data.store import MANIFEST, StoreWriter, bytes_per_token, clear_store, identity_mismatch
-from draftport.train.config import BATCH_ENGINES, REGEN_ENGINES
+from draftport.decode.options import BATCH_ENGINES, REGEN_ENGINES
 
 DEFAULT_MAX_LEN = 2048
 DEFAULT_BATCH = 8

@@ -5,13 +5,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from draftport.decode.options import REGEN_ENGINES
 from draftport.errors import DraftportError
 
 
-# regeneration: the static-cache batch engine, the same with flex decode attention (each row reads only its visible
-# key blocks: faster than the dense step; measured: see BENCHMARKS.md, batched generation), or HF generate
-BATCH_ENGINES = ("batch", "batch-flex")  # the ones run by the batch engine (train/regenerate.batch_generator)
-REGEN_ENGINES = BATCH_ENGINES + ("hf",)
 TOKEN_SCALE = {"k": 10 ** 3, "m": 10 ** 6, "g": 10 ** 9}  # token-count suffixes (either case): powers of 1000
 
 

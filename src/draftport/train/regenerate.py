@@ -17,7 +17,7 @@ from typing import Sequence
 from draftport.data.chat import ChatTemplate, encode_prompt, resolve_chat_template, stop_token_ids
 from draftport.data.conversations import Conversation
 from draftport.errors import DraftportError
-from draftport.train.config import BATCH_ENGINES, REGEN_ENGINES
+from draftport.decode.options import BATCH_ENGINES, REGEN_ENGINES
 
 REGEN_MAX_NEW_TOKENS = 256  # regeneration: tokens per response unless told otherwise
 BATCH_MAX_LEN = 2048  # the batch engine's cache slots a row when no max_len is given

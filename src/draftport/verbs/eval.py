@@ -1,0 +1,210 @@
+"""`draftport eval`: online τ and tokens/s of a drafter against no speculation on a prompt set, beside the
+prompt-lookup floor (and, with --hybrid, the hybrid) on the same prompts; offline τ and the tok/s economics
+predicts from step times measured in isolation. decode/evaluate.py runs the evaluation; this module loads the
+models, shows progress and writes summary.json, metrics.jsonl, accept.png and manifest.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from draftport.data.chat import stop_token_ids
+from draftport.data.conversations import load_prompts
+from draftport.decode.evaluate import (EvalRun, EvalTally, encode_prompts, eval_engines, eval_prompt, eval_summary,
+                                       lookup_for, store_offline, warm_up)
+from draftport.decode.options import DEFAULT_MAX_NEW_TOKENS, NGRAM, EngineConfig, LookupConfig
+from draftport.errors import DraftportError
+from draftport.model.formats import load_drafter_for
+from draftport.model.target import load_target
+from draftport.safeio import atomic_write_bytes, atomic_write_json, default_out, sha256_file
+from draftport.study import plots
+
+DEFAULT_TIMING_REPEATS = 20    # calls per isolated step measurement (median taken)
+
+
+@dataclass
+class EvalConfig:
+    target: str                          # HF dir, .gguf, or gemma-3-270m
+    drafter: str                         # drafter dir (any supported layout), or 'ngram' (prompt lookup)
+    prompts: str = "mt-bench"            # mt-bench | humaneval | sharegpt | a JSON/JSONL file
+    out: str | None = None               # output dir (summary.json, metrics.jsonl, accept.png, manifest.json)
+    max_samples: int | None = None       # prompts evaluated (default: all)
+    max_len: int | None = None           # prompt tokens at most (the last ones are kept: the generation prompt)
+    max_new_tokens: int | None = None    # tokens generated per prompt (default 128)
+    engine: EngineConfig = field(default_factory=EngineConfig)  # depth, topk, sampling, seed, target-pass kernels
+    lookup: LookupConfig = field(default_factory=LookupConfig)  # prompt lookup (the floor) and --hybrid
+    device: str | None = None            # default: cuda when available
+    dtype: str | None = None             # default: bf16 on cuda, fp32 on cpu
+    chat_template: str | None = None     # default: the tokenizer's own, else plain
+    store: str | None = None             # capture store for the offline τ (default: the baseline's outputs)
+    no_hf_baseline: bool = False         # skip timing HF generate
+    trust_remote_code: bool = False
+    json: bool = False                   # one JSON object on stdout
+    timing_repeats: int = DEFAULT_TIMING_REPEATS  # calls per isolated step timing
+    offline_samples: int = 200           # store samples used for the offline τ at most
+
+
+def flag_record(cfg) -> dict:
+    """The flags as given, flat (summary.json's config): the engine's and prompt lookup's beside the verb's own."""
+    d = asdict(cfg)
+    engine, lookup = d.pop("engine"), d.pop("lookup")
+    d.update(lookup)
+    for key in ("depth", "topk", "num_draft_tokens", "temperature", "top_p", "seed", "fuse", "sdpa", "target_pass",
+                "native_compile"):
+        d[key] = engine[key]
+    d["fast_attention"] = engine["invariant"] is False
+    return d
+
+
+def check_eval_flags(cfg: EvalConfig) -> int:
+    """-> new tokens a prompt; bad values refused before anything loads."""
+    N = cfg.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
+    if N < 1:
+        raise DraftportError(f"--max-new-tokens must be >= 1 (got {N})")
+    if cfg.timing_repeats < 1:
+        raise DraftportError(f"timing_repeats must be >= 1 (got {cfg.timing_repeats})")
+    return N
+
+
+def decode_prompts(run: EvalRun, convs, prompts: list[list[int]], console) -> EvalTally:
+    """Every prompt through every engine (eval_prompt), behind a progress bar."""
+    tally = EvalTally(run)
+    with Progress(TextColumn("eval"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console, transient=True) as bar:
+        task = bar.add_task("prompts", total=len(prompts))
+        for i, (conv, p) in enumerate(zip(convs, prompts)):
+            eval_prompt(run, tally, i, conv, p)
+            bar.advance(task)
+    return tally
+
+
+def run_eval(cfg: EvalConfig, *, target=None, drafter=None, console=None) -> dict:
+    """Evaluate and write the outputs; returns the summary. `target` / `drafter` may be passed in
+    (already-loaded objects, e.g. tiny test models); otherwise they are loaded from cfg.
+    The steps: flags and prompt files checked, models loaded, engines built (eval_engines), offline τ on
+    --store (store_offline), warm-up (warm_up), every prompt decoded (decode_prompts → eval_prompt), the
+    summary (eval_summary: tau_figures, isolated_steps, predictions), the files (write_outputs)."""
+    console = console or Console(stderr=True)
+    N = check_eval_flags(cfg)
+    convs = load_prompts(cfg.prompts, max_samples=cfg.max_samples)   # bad files fail before any model loads
+    if cfg.store is not None and not os.path.isdir(cfg.store):
+        raise DraftportError("no such capture store directory", cfg.store)
+    ngram_only = cfg.drafter == NGRAM and drafter is None             # prompt lookup is the speculative run
+    lk = lookup_for(cfg.lookup, cfg.drafter)                         # the floor (and --drafter ngram)
+    hyb_lk = lookup_for(cfg.lookup, cfg.drafter, hybrid=True) if cfg.lookup.hybrid else None
+    if ngram_only and cfg.store is not None:
+        raise DraftportError("--store gives a trained drafter's offline τ; --drafter ngram has none", cfg.store)
+    cfg.engine.resolved()                                            # bad engine flags fail before any model loads
+    if target is None:
+        target = load_target(cfg.target, device=cfg.device, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code)
+    if drafter is None and not ngram_only:
+        drafter = load_drafter_for(cfg.drafter, target)
+    prompts = encode_prompts(target, convs, cfg.chat_template, cfg.max_len)
+    stops = stop_token_ids(target.tokenizer, cfg.chat_template, target.eos_token_ids)
+    ecfg, base, spec, floor, hyb = eval_engines(cfg.engine, target, drafter, prompts, N, lk, hyb_lk, ngram_only)
+    run = EvalRun(target, ecfg, base, spec, floor, hyb, lk, hyb_lk, stops, N, ngram_only, flags=flag_record(cfg),
+                  timing_repeats=cfg.timing_repeats, hf_baseline=not cfg.no_hf_baseline)
+    run.store_result = store_offline(run, drafter, cfg.store, cfg.offline_samples, console)
+    warm_up(run, prompts[0])
+    tally = decode_prompts(run, convs, prompts, console)
+    summary = eval_summary(run, tally, prompts)
+    write_outputs(cfg.out, summary, tally.rows)
+    return summary
+
+
+def write_outputs(out: str, summary: dict, rows: list[dict]) -> None:
+    """summary.json, metrics.jsonl (one line a prompt), accept.png, manifest.json (files + sha256)."""
+    os.makedirs(out, exist_ok=True)
+    lines = "".join(json.dumps(r) + "\n" for r in rows)
+    atomic_write_bytes(os.path.join(out, "metrics.jsonl"), lines.encode("utf-8"))
+    if summary["cycles"]:
+        k = summary["config"]["engine"]["depth"]
+        plots.plot_acceptance(summary["per_position_accept"], summary["accept_hist"], os.path.join(out, "accept.png"),
+                              accept_len=summary["accept_len"],
+                              title=f"{os.path.basename(str(summary['config']['drafter']).rstrip('/'))}, depth {k}")
+    atomic_write_json(os.path.join(out, "summary.json"), summary)
+    files = [f for f in ("summary.json", "metrics.jsonl", "accept.png") if os.path.exists(os.path.join(out, f))]
+    atomic_write_json(os.path.join(out, "manifest.json"), {
+        "verb": "eval", "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "files": [{"file": f, "bytes": os.path.getsize(os.path.join(out, f)),
+                   "sha256": sha256_file(os.path.join(out, f))} for f in files]})
+
+
+def _fmt(v, spec: str = "{:.2f}") -> str:
+    return "–" if v is None else spec.format(v)
+
+
+def render_eval(summary: dict, console) -> None:
+    t = Table(title=f"eval: {summary['num_prompts']} prompts, {summary['cycles']} cycles, "
+                    f"depth {summary['config']['engine']['depth']}, topk {summary['config']['engine']['topk']}")
+    t.add_column("figure")
+    t.add_column("value", justify="right")
+    iso = summary["isolated_ms"]
+    for name, value in [
+        ("τ online (tokens per cycle)", _fmt(summary["accept_len"], "{:.3f}")),
+        (f"τ offline ({summary['offline_source']})", _fmt(summary["offline_accept_len"], "{:.3f}")),
+        ("  relative error", _fmt(summary["offline_rel_err"], "{:+.1%}")),
+        ("per-position acceptance", " ".join(f"{x:.2f}" for x in summary["per_position_accept"])),
+        ("tok/s speculative", _fmt(summary["tok_s"], "{:.1f}")),
+        ("tok/s no speculation", _fmt(summary["baseline_tok_s"], "{:.1f}")),
+        ("speedup", _fmt(summary["speedup"], "{:.2f}×")),
+        ("tok/s HF generate", _fmt(summary["hf_generate_tok_s"], "{:.1f}")),
+        ("tok/s predicted (offline τ, isolated steps)", _fmt(summary["predicted_tok_s"], "{:.1f}")),
+        ("  relative error", _fmt(summary["predicted_rel_err"], "{:+.1%}")),
+        *([("tok/s predicted by chain depth (best: " + str(summary["best_depth"]) + ")",
+            "  ".join(f"{r['depth']}: {r['tok_s']:.1f}" for r in summary["predicted_by_depth"]))]
+          if summary.get("predicted_by_depth") else []),
+        ("cycle: draft / verify / overhead ms", f"{_fmt(summary['draft_ms'])} / {_fmt(summary['verify_ms'])} / "
+                                                f"{_fmt(summary['overhead_ms'])}"),
+        ("isolated: decode step / verify / draft step / extend ms",
+         f"{iso['decode_step_ms']:.2f} / {iso['verify_ms']:.2f} / {_fmt(iso['draft_step_ms'])} / {_fmt(iso['extend_ms'])}"),
+        ("greedy match rate vs no speculation", _fmt(summary["match_rate"], "{:.4f}")),
+    ]:
+        t.add_row(name, value)
+    console.print(t)
+
+
+def main(cfg: EvalConfig) -> int:
+    if cfg.out is None:
+        cfg.out = default_out("eval")
+    summary = run_eval(cfg)
+    if cfg.json:
+        print(json.dumps(summary))
+    else:
+        render_eval(summary, Console())
+        render_floor(summary, Console())
+        Console().print(f"wrote {os.path.join(cfg.out, 'summary.json')}")
+    return 0
+
+
+def render_floor(summary: dict, console) -> None:
+    """The drafter beside prompt lookup (and the hybrid) on the same prompts."""
+    fl = summary.get("floor")
+    if not fl:
+        return
+    t = Table(title=f"beside the training-free floor (prompt lookup, n {fl['config']['ngram_min']}–"
+                    f"{fl['config']['ngram_max']}, {fl['config']['depth']} drafts a cycle)")
+    for col in ("run", "τ", "per-position acceptance", "tok/s", "speedup", "greedy match"):
+        t.add_column(col, justify="left" if col in ("run", "per-position acceptance") else "right")
+    runs = [] if summary["config"].get("drafter") == NGRAM else [("drafter", summary)]
+    runs.append(("prompt lookup" + (" (offline τ " + _fmt(fl["offline_accept_len"], "{:.3f}") + ")"), fl))
+    if summary.get("hybrid"):
+        runs.append((f"hybrid (n-gram when match ≥ {summary['hybrid']['config']['min_match']})", summary["hybrid"]))
+    for name, r in runs:
+        t.add_row(name, _fmt(r["accept_len"], "{:.3f}"), " ".join(f"{x:.2f}" for x in r["per_position_accept"]),
+                  _fmt(r["tok_s"], "{:.1f}"), _fmt(r["speedup"], "{:.2f}×"), _fmt(r["match_rate"], "{:.4f}"))
+    console.print(t)
+    by = fl.get("by_match_len") or {}
+    if by:
+        console.print("prompt lookup τ by match length: " + ", ".join(
+            f"{m}: {r['accept_len']:.2f} ({r['cycles']} cycles)" for m, r in by.items()))
+    if summary.get("hybrid"):
+        console.print("hybrid τ by source: " + ", ".join(
+            f"{s}: {r['accept_len']:.2f} ({r['cycles']} cycles)" for s, r in summary["hybrid"]["by_source"].items()))
