@@ -198,9 +198,10 @@ def main(argv=None) -> int:
                 if target is None:  # loaded once, on the first run that needs it, as run_train would
                     import torch
 
-                    from draftport.train.loop import load_train_target
+                    from draftport.model.target import load_target
                     dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-                    target = load_train_target(cfg, dev, cfg.resolved(dev.type).dtype)
+                    target = load_target(cfg.target, device=dev, dtype=cfg.resolved(dev.type).dtype,
+                                         trust_remote_code=cfg.trust_remote_code)
                 console.print(f"train_sweep: {point_name(point)} ({steps} steps)")
                 from draftport.train.loop import run_train
                 run_train(cfg, target=target, console=Console(stderr=True, quiet=True))
