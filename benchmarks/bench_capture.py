@@ -27,7 +27,7 @@ import time
 import numpy as np
 import torch
 
-from draftport.train.capture import SHARD_BYTES, capture_shard, length_batches, plan_shards
+from draftport.capture.capture import SHARD_BYTES, capture_shard, length_batches, plan_shards
 from draftport.data.store import StoreWriter, bytes_per_token
 from draftport.decode.measure import sync
 

@@ -6,7 +6,7 @@ the figure is the answers' tokens (up to and including the stop id) over the wal
 (prefill included; each engine warmed up first on other prompts at full width and length, so CUDA-graph
 capture, kernel choice and the allocator's growth are not in it):
 
-    hf        HF generate, left-padded batches of --hf-batch (what train/regenerate.py's `hf` engine runs)
+    hf        HF generate, left-padded batches of --hf-batch (what capture/regenerate.py's `hf` engine runs)
     batch_B   BatchGenerator with B rows, continuously refilled, for each B in --batch-sizes (with several
               --target-pass values, batch_B_<pass> for each; `native` compiles the decode step's layer halves
               on CUDA, `native-plain` runs them uncompiled: the before and after of BatchConfig.compile_decode;
@@ -47,7 +47,7 @@ from draftport.data.conversations import load_conversations
 from draftport.decode.batch import BatchConfig, BatchGenerator
 from draftport.decode.measure import sync
 from draftport.model.target import load_target
-from draftport.train.regenerate import generate_ids_hf
+from draftport.capture.regenerate import generate_ids_hf
 from emit import emit, emit_partial, write_atomic
 from profiling import kernel_profile
 

@@ -23,7 +23,7 @@ from rich.console import Console
 from draftport.data.chat import tokenize_conversation
 from draftport.data.conversations import load_conversations
 from draftport.model.target import load_target
-from draftport.train.capture import tokenize_all
+from draftport.capture.capture import tokenize_all
 from emit import emit
 
 

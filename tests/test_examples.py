@@ -281,7 +281,7 @@ def test_learning_curve_evaluates_every_milestone_beside_the_floor(examples_path
     a rerun reuses the finished evals."""
     from rich.console import Console
 
-    from draftport.train.capture import CaptureConfig, run_capture
+    from draftport.capture.capture import CaptureConfig, run_capture
     from draftport.train.config import TrainConfig
     from draftport.train.loop import run_train
     from learning_curve import main, token_label
@@ -569,7 +569,8 @@ def test_port_table(examples_path, tmp_path, capsys):
         __import__("port_table").collect(str(tmp_path))))["rows"])["spearman"] == pytest.approx(-1.0)
     assert ranks([3.0, 1.0, 3.0]) == [2.5, 1.0, 2.5]
 
-    from draftport.study.study import build_rows, token_label, transfer_data_ratio
+    from draftport.study.study import build_rows, transfer_data_ratio
+    from draftport.train.config import token_label
 
     ev = lambda t: {"accept_len": t, "tok_s": 600.0, "baseline_tok_s": 550.0, "floor": {"accept_len": 1.48},  # noqa: E731
                     "hybrid": {"accept_len": t + 0.3}}

@@ -113,16 +113,16 @@ def test_atomic_writes_get_the_mode_open_would_give(tmp_path):
 def test_train_table_has_one_depth_3_row():
     from rich.console import Console
 
-    from draftport.train.loop import _render
+    from draftport.verbs.train import render
 
     console = Console(record=True, width=200)
     s = {"final_drafter": "out/final", "ttt_steps": 3, "val_loss": 1.0, "val_accept_len": 1.3,
          "val_accept_len_k": 1.3, "initial_val": {"val_loss": 2.0, "val_accept_len": 1.0}, "val_acc": [0.3],
          "steps": 10, "final_loss": 1.1, "vocab": {"vocab": "built"}}
-    _render(console, s)
+    render(console, s)
     assert console.export_text().count("simulated τ (depth 3)") == 1
     console = Console(record=True, width=200)
-    _render(console, {**s, "ttt_steps": 7})
+    render(console, {**s, "ttt_steps": 7})
     text = console.export_text()
     assert text.count("simulated τ (depth 3)") == 1 and text.count("simulated τ (depth 7)") == 1
 

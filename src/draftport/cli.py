@@ -8,7 +8,6 @@ Errors: one line on stderr naming the file and the problem, exit 2; `--debug` sh
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import importlib
 import os
 import sys
@@ -23,14 +22,14 @@ from draftport.verbs.flags import config_from
 VERBS = {
     "check": ("draftport.verbs.check", "CheckConfig", "main"),
     "economics": ("draftport.verbs.economics", "EconomicsConfig", "main"),
-    "capture": ("draftport.train.capture", "CaptureConfig", "main"),
-    "train": ("draftport.train.loop", "TrainConfig", "main"),
+    "capture": ("draftport.verbs.capture", "CaptureConfig", "main"),
+    "train": ("draftport.verbs.train", "TrainConfig", "main"),
     "eval": ("draftport.verbs.eval", "EvalConfig", "main"),
     "generate": ("draftport.verbs.generate", "GenerateConfig", "main"),
-    "probe": ("draftport.study.probe", "ProbeConfig", "main"),
-    "export": ("draftport.model.export", "ExportConfig", "export_main"),
-    "study": ("draftport.study.study", "StudyConfig", "main"),
-    "demo": ("draftport.study.demo", "DemoConfig", "main"),
+    "probe": ("draftport.verbs.probe", "ProbeConfig", "main"),
+    "export": ("draftport.verbs.export", "ExportConfig", "main"),
+    "study": ("draftport.verbs.study", "StudyConfig", "main"),
+    "demo": ("draftport.verbs.demo", "DemoConfig", "main"),
 }
 
 WRITING_VERBS = {"capture", "train", "eval", "probe", "export", "study", "demo"}

@@ -184,7 +184,7 @@ def test_unsorted_and_duplicate_aux_ids_are_refused_where_they_enter(tmp_path, i
             cli.build_parser().parse_args([verb, "--target", "tiny-llama", "--data", "x", "--aux-layers",
                                            ",".join(map(str, ids))])
         assert exit_.value.code == 2 and "--aux-layers" in err.getvalue()
-    from draftport.train.capture import CaptureConfig, run_capture  # the Python API of capture too, before any load
+    from draftport.capture.capture import CaptureConfig, run_capture  # the Python API of capture too, before any load
     with pytest.raises(DraftportError, match="--aux-layers"):
         run_capture(CaptureConfig(target="tiny-llama", data="none.jsonl", out=str(tmp_path / "c"), aux_layers=ids))
 

@@ -15,7 +15,7 @@ from draftport.data.chat import (CHAT_TEMPLATES, encode_prompt, render_segments,
                                  tokenize_conversation, tokenize_conversations)
 from draftport.data.conversations import (Conversation, LoadStats, iter_json_array, load_conversations, load_prompts,
                                           save_conversations, split_train_val)
-from draftport.train.regenerate import regenerate
+from draftport.capture.regenerate import regenerate
 from draftport.errors import DraftportError
 from draftport.model.target import tiny_target, tiny_tokenizer
 
@@ -296,7 +296,7 @@ def test_regenerated_turns_are_the_targets_greedy_continuations(family, engine):
 def test_hf_generate_keeps_a_generated_pad_id_when_no_stop_string_ended_the_row():
     """Without a tokenizer generate_ids_hf pads with id 0, a real token: an answer that ends on it (a model that
     always emits it here) keeps every token, as the batch engine's does; only a stop string's padding is cut."""
-    from draftport.train.regenerate import generate_ids_hf
+    from draftport.capture.regenerate import generate_ids_hf
 
     tg = tiny_target("llama", seed=0)
     tg.tokenizer = None

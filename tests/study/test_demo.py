@@ -12,7 +12,8 @@ import subprocess
 import pytest
 import torch
 
-from draftport.study.demo import SEED, DemoConfig, first_turns, run_demo, stage_check, stage_economics
+from draftport.study.demo import SEED, first_turns
+from draftport.verbs.demo import DemoConfig, run_demo, stage_check, stage_economics
 from draftport.economics import break_even_accept_len, tok_per_s
 
 QUESTIONS = ["Tell me about the capital of France.", "Write a short story about a robot who paints.",

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from draftport.errors import DraftportError
-from draftport.study.probe import LayerStats, ProbeConfig, cosine_per_token, linear_cka, run_probe
+from draftport.study.probe import LayerStats, cosine_per_token, linear_cka
+from draftport.verbs.probe import ProbeConfig, run_probe
 from draftport.model.formats import save_drafter
 
 PERTURB_FROM = 3  # decoder layers >= this are perturbed in target B
@@ -155,7 +156,7 @@ def drafter_a(targets, tmp_path_factory):
 
 
 def test_plugin_tau_on_its_own_target_equals_its_offline_tau(targets, drafter_a, tmp_path):
-    from draftport.train.capture import CaptureConfig, run_capture
+    from draftport.capture.capture import CaptureConfig, run_capture
     from draftport.model.formats import load_drafter_for
     from draftport.decode.offline import offline_accept_len
     from draftport.model.target import load_target

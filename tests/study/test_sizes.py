@@ -10,8 +10,10 @@ import os
 import pytest
 
 from draftport.errors import DraftportError
-from draftport.study.study import (Sizes, StudyConfig, build_rows, parse_sizes, ratio_sentence, size_points,
-                                   steps_for, study_report, token_label, transfer_data_ratio)
+from draftport.study.study import (Sizes, build_rows, parse_sizes, ratio_sentence, size_points, study_report,
+                                   transfer_data_ratio)
+from draftport.train.config import token_label
+from draftport.verbs.study import StudyConfig, steps_for
 
 
 def test_parse_sizes_tokens_and_samples():

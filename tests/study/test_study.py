@@ -10,7 +10,9 @@ import pytest
 
 from draftport import economics
 from draftport.errors import DraftportError
-from draftport.study.study import Stages, StudyConfig, build_rows, economics_row, run_study
+from draftport.study.study import build_rows, economics_row
+from draftport.verbs.pipeline import Stages
+from draftport.verbs.study import StudyConfig, run_study
 
 
 def test_economics_row_is_the_seed_arithmetic():

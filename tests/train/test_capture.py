@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from draftport import cli
-from draftport.train.capture import CaptureConfig, length_batches, plan_shards, run_capture
+from draftport.capture.capture import CaptureConfig, length_batches, plan_shards, run_capture
 from draftport.data.chat import tokenize_conversation
 from draftport.data.conversations import load_conversations
 from draftport.errors import DraftportError
@@ -160,7 +160,7 @@ def test_no_usable_samples(tmp_path, tiny):
 
 
 def test_regenerated_data_is_saved_and_reused(tmp_path, data, tiny, monkeypatch):
-    import draftport.train.regenerate as regen_mod
+    import draftport.capture.regenerate as regen_mod
 
     kw = dict(regenerate=True, samples_per_prompt=2, max_new_tokens=6, max_samples=3, temperature=0.8,
               save_data=str(tmp_path / "kept.jsonl"))
@@ -191,7 +191,7 @@ def test_regeneration_batches_prompts_by_regen_batch_size(tmp_path, data, tiny, 
     """--regen-batch-size decides how many prompts one HF generate call takes (GPUs want hundreds), and a
     saved chunk holds at least one such batch; the batch engine gets that many cache rows, one generator
     for the whole capture, and every ready prompt of a chunk in one call."""
-    import draftport.train.regenerate as regen_mod
+    import draftport.capture.regenerate as regen_mod
     from draftport.decode.batch import BatchGenerator
 
     seen = []

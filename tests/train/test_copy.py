@@ -105,7 +105,7 @@ def trained(tmp_path_factory):
     """(target, store path, train summary, trained drafter) — the whole pipeline once per module."""
     from draftport.data.store import StoreWriter
     from draftport.model.drafter import Eagle3Drafter
-    from draftport.train.capture import capture_shard
+    from draftport.capture.capture import capture_shard
     from draftport.train.config import TrainConfig
     from draftport.train.loop import run_train
 

@@ -15,7 +15,7 @@ from rich.console import Console
 from draftport import cli
 from draftport.errors import DraftportError
 from draftport.train import checkpoint as ck
-from draftport.train.capture import CaptureConfig, run_capture
+from draftport.capture.capture import CaptureConfig, run_capture
 from draftport.train.config import TrainConfig
 from draftport.train.loop import run_train
 from test_capture import write_convs

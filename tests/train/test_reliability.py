@@ -42,7 +42,7 @@ from safetensors.torch import load_file
 
 from draftport.train import checkpoint as ck
 from draftport import cli
-from draftport.train.capture import CaptureConfig, run_capture
+from draftport.capture.capture import CaptureConfig, run_capture
 from draftport.data.store import MANIFEST, SHARD_RE, Store
 from test_capture import write_convs  # the same small conversations the capture tests use
 from draftport.model.formats import save_drafter

@@ -17,7 +17,7 @@ from rich.console import Console
 from safetensors.torch import load_file
 
 from draftport import cli
-from draftport.train.capture import CaptureConfig, run_capture
+from draftport.capture.capture import CaptureConfig, run_capture
 from draftport.errors import DraftportError
 from draftport.train.config import TrainConfig
 from draftport.train.loop import lr_at, run_train
@@ -143,7 +143,7 @@ def test_train_regenerate_equals_training_on_the_regenerated_file(store, tmp_pat
     """--regenerate: the target answers the prompts first (batch engine, two sampled answers a prompt),
     then the run trains online on <out>/regenerated.jsonl, exactly as if that file were --data; a rerun
     reuses the saved answers; a capture store cannot be regenerated."""
-    import draftport.train.regenerate as regen_mod
+    import draftport.capture.regenerate as regen_mod
 
     data = os.path.join(os.path.dirname(store), "cyc.jsonl")
     kw = dict(regenerate=True, samples_per_prompt=2, temperature=0.8, max_new_tokens=24, regen_batch_size=16,

@@ -2,7 +2,7 @@
 
 Torch-free and transformers-free: plain data and small pure functions over DrafterSpec /
 TargetSpec / tensor names. `check` (compat.py) turns what these return into findings and verdicts;
-`export` (model/export.py) refuses to write what an engine would refuse or mis-load. Which aux ids are
+`export` (verbs/export.py) refuses to write what an engine would refuse or mis-load. Which aux ids are
 acceptable at all (unique, ascending) is check/layers.py's `validate_aux_ids`.
 
 Every rule names the engine source it was read from. The sources (the newest stored snapshot of

@@ -6,7 +6,7 @@ as a stream and the complete records are kept), `mt-bench` (shipped in draftport
 `from`/`value`), `messages` (`role`/`content`), `prompt`, or MT-bench `turns`.
 
 Chat templates, loss masks and prompt encoding are data/chat.py; regeneration (the target writing
-the assistant turns) is train/regenerate.py.
+the assistant turns) is capture/regenerate.py.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Drafter checkpoint layouts: one key map, loading any of them, saving the three engines load
-(the `draftport export` verb over these is model/export.py).
+(the `draftport export` verb over these is verbs/export.py).
 
 Layouts (what each writes for decoder layer i; every other tensor is spelled the same everywhere):
     sglang / eagle   `midlayer.`            SGLang LlamaForCausalLMEagle3, SpecForge, SafeAILab/EAGLE

@@ -16,6 +16,11 @@ from draftport.errors import bad_input
 from draftport.safeio import atomic_write_bytes, atomic_write_json
 
 
+def fmt(v, spec: str = "{:.2f}") -> str:
+    """A figure as text, "–" when it is missing (reports and the verbs' terminal tables alike)."""
+    return "–" if v is None else spec.format(v)
+
+
 @dataclass
 class Table:
     columns: list[str]                 # header cells

@@ -1,169 +1,30 @@
-"""`draftport study`: the whole port of a drafter from target A to target B, as one report.
+"""The port study's numbers and report: a drafter ported from target A to target B (the `study` verb,
+verbs/study.py, runs the stages and hands their results here).
 
-The seed's game plan, run instead of written by hand. Stages, each in its own subdirectory of --out:
-
-    check                 can A's drafter be fed by B at all (compat: widths, vocab, layers per engine)
-    capture               B's hidden states on the data, max(--sizes) samples, at the drafter's layers
-                          (with --regenerate B first writes the answers: a drafter for B learns B's text)
-    probe                 hidden-state similarity of A and B + plug-in τ (offline), probe.run_probe, on
-                          the captured conversations (B's own answers when regenerated)
-    train-transfer-N      fine-tune A's drafter on the first N samples (--init-from: keeps its vocab map)
-    train-scratch-N       a fresh drafter on the same N samples, same steps (so the same epochs)
-    eval-plugin           online τ and tok/s of A's drafter on B with no training
-    eval-<recipe>-N       online τ and tok/s on B of every trained drafter (vs no speculation), each eval
-                          also running prompt lookup (the floor) and the hybrid on the same prompts
-    report                the table (`rows` in summary.json), economics, plots, report.md + report.html
-
-Sizes: `--sizes 100,400` are sample counts (capture takes max(sizes) prompts); `--sizes 125k,500k,1M,2M`
-(every entry with a k / M / G suffix) are token counts: capture takes --max-samples prompts (default all of
---data), and each size trains on the shortest prefix of the captured samples holding at least that many
-tokens (all tokens of a sample, prompt and answer: what `train` counts as tokens seen). N in a stage name
-is the size's label (125k, 0.5M, 2M). The report states every size in tokens and samples. --epochs sets each run's
-steps from its own training samples (the same epochs at every size, for transfer and scratch alike);
---steps instead gives every run the same steps (then epochs fall as the size grows).
-
-Resume: a stage records its config hash in `stage.json` when it starts and writes `done.json` (hash,
-result, seconds) when it ends. A rerun skips stages whose done.json matches; a stage that was
-interrupted resumes inside (capture and train resume by themselves); a stage whose config changed is
-cleared and run again. `--restart` clears everything.
-
-Economics use the cycle times measured by each eval: break-even τ = baseline · cycle, and the verify
-time that would make a drafter pay, v* = τ / baseline − (cycle − verify).
+    rows                  one per drafter evaluated on B (plug-in, then transfer / scratch by size): τ online and
+                          offline, the floor and the hybrid of the same eval, tok/s, and the economics at the
+                          measured cycle: break-even τ = baseline · cycle, and the verify time that would make a
+                          drafter pay, v* = τ / baseline − (cycle − verify)
+    data ratio            the share of scratch's data at which transfer first reaches scratch's final τ
+    sizes                 `--sizes 100,400` (samples) or `125k,500k,1M,2M` (tokens): each size's training subset
+                          of the capture (the shortest prefix of the captured samples holding that many tokens)
+    report                report.md + report.html with the plots
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-import hashlib
-import json
+import itertools
+import math
 import os
-import shutil
-import sys
-import time
 from dataclasses import dataclass
-from typing import Callable
 
-from rich.console import Console
-from rich.table import Table
-
-from draftport.errors import DraftportError, bad_input
-from draftport.safeio import atomic_write_json, read_json
-from draftport.train.config import token_label
-
-STAGE_FILE = "stage.json"    # written when a stage starts: its config hash
-DONE_FILE = "done.json"      # written when it ends: hash, result, seconds
-DEFAULT_SIZES = [50, 200]
-DEFAULT_EVAL_PROMPTS = 8
-DEFAULT_PROBE_SAMPLES = 64
-
-
-@dataclass
-class StudyConfig:
-    target_a: str                       # the old target (the drafter was trained for it)
-    drafter_a: str                      # A's drafter (any layout draftport loads)
-    target_b: str                       # the new target
-    data: str                           # training / probe data: sharegpt | JSON/JSONL | … (B's samples ideally)
-    out: str                            # study directory (resumed when rerun)
-    sizes: str | list[int] | None = None  # the scaling curve's sizes: "125k,2M" tokens, "50,200" / [50, 200]
-                                        # samples (None: 50,200 samples or from --max-samples)
-    steps: int | None = None            # optimizer steps per training run (None: train's default, one epoch)
-    epochs: float | None = None         # instead of --steps: steps = epochs × the run's training samples / batch
-    ttt_steps: int = 7                  # training-time-test unroll
-    prompts: str = "mt-bench"           # online eval prompts: mt-bench | humaneval | sharegpt | FILE
-    max_new_tokens: int | None = None   # eval: tokens generated per prompt (None: eval's default)
-    max_samples: int | None = None      # data cap: sizes default to [N//4, N] when given
-    max_len: int | None = None          # tokens per training sample (capture)
-    batch_size: int | None = None       # training batch size (None: train's default)
-    device: str | None = None           # cpu | cuda (None: cuda when available)
-    dtype: str | None = None            # bf16 | fp32 (None: bf16 on cuda, fp32 on cpu)
-    seed: int = 0
-    chat_template: str | None = None    # named template (None: the tokenizer's own, else plain)
-    trust_remote_code: bool = False
-    eval_prompts: int = DEFAULT_EVAL_PROMPTS    # prompts per online eval
-    probe_samples: int = DEFAULT_PROBE_SAMPLES  # conversations the probe compares
-    depth: int = 3                      # chain depth for every eval (and the offline τ)
-    engine: str = "sglang"              # whose aux-id rule decides the drafter's layers
-    lr: float | None = None             # training learning rate (None: train's default)
-    transfer_lr: float | None = None    # the transfer runs' learning rate (None: --lr)
-    lm_head_from_target: bool = False   # scratch runs: lm_head rows start as the target's head rows (the recipe)
-    regenerate: bool = False            # capture: B writes the assistant turns first (B's own samples)
-    regen_batch_size: int | None = None  # regeneration: prompts per batched generate (None: capture's default)
-    samples_per_prompt: int = 1         # regeneration: answers per prompt (needs temperature > 0 to differ)
-    temperature: float = 0.0            # regeneration sampling temperature (0 = greedy)
-    regen_new_tokens: int | None = None  # regeneration: tokens per answer (None: capture's default)
-    restart: bool = False               # clear --out and start over
-    json: bool = False                  # print summary.json's object on stdout
-
-
-# ---------------------------------------------------------------------------------------------
-# Stages: cached, resumable, timed
-
-
-def config_hash(config: dict) -> str:
-    return hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-
-class Stages:
-    """Runs named stages in subdirectories of `out`, skipping those already done with the same config."""
-
-    def __init__(self, out: str, console: Console, restart: bool = False, total: int | None = None):
-        self.out, self.console, self.total = out, console, total
-        self.timings: dict[str, dict] = {}   # name -> {"seconds", "cached"}
-        self.index = 0
-        if restart and os.path.isdir(out):
-            for name in os.listdir(out):
-                path = os.path.join(out, name)
-                if os.path.isfile(os.path.join(path, STAGE_FILE)) or os.path.isfile(os.path.join(path, DONE_FILE)):
-                    shutil.rmtree(path)
-
-    def cached(self, name: str, config: dict) -> dict | None:
-        """The stored result of a finished stage with this config, else None."""
-        done = os.path.join(self.out, name, DONE_FILE)
-        if not os.path.isfile(done):
-            return None
-        rec = read_json(done)
-        return rec if rec.get("config_hash") == config_hash(config) else None
-
-    def run(self, name: str, config: dict, fn: Callable[[str], dict], title: str | None = None) -> dict:
-        """fn(stage_dir) -> JSON-able result. Sub-verbs' stdout goes to stderr (stdout is the verb's own)."""
-        self.index += 1
-        head = f"[{self.index}/{self.total}] {title or name}" if self.total else (title or name)
-        rec = self.cached(name, config)
-        if rec is not None:
-            self.console.print(f"[green]✓[/green] {head} [dim](done earlier in {rec['seconds']:.1f} s, cached)[/dim]")
-            self.timings[name] = {"seconds": rec["seconds"], "cached": True}
-            return rec["result"]
-        d = os.path.join(self.out, name)
-        h = config_hash(config)
-        started = os.path.join(d, STAGE_FILE)
-        if os.path.isdir(d) and (not os.path.isfile(started) or read_json(started).get("config_hash") != h):
-            shutil.rmtree(d)  # leftovers of another config: resuming them would mix two runs
-        os.makedirs(d, exist_ok=True)
-        atomic_write_json(started, {"stage": name, "config_hash": h, "config": config})
-        self.console.rule(head, style="cyan")
-        t0 = time.perf_counter()
-        with contextlib.redirect_stdout(sys.stderr):
-            result = fn(d)
-        seconds = time.perf_counter() - t0
-        atomic_write_json(os.path.join(d, DONE_FILE), {"stage": name, "config_hash": h, "config": config,
-                                                      "seconds": seconds, "result": result})
-        self.timings[name] = {"seconds": seconds, "cached": False}
-        self.console.print(f"[green]✓[/green] {head} [dim]{seconds:.1f} s[/dim]")
-        return result
-
-
-def make_config(cls, **values):
-    """A sub-verb's dataclass config from the values it declares (the rest are its defaults)."""
-    names = {f.name for f in dataclasses.fields(cls)}
-    return cls(**{k: v for k, v in values.items() if k in names})
-
-
-def read_summary(stage_dir: str, what: str) -> dict:
-    path = os.path.join(stage_dir, "summary.json")
-    if not os.path.isfile(path):
-        raise DraftportError(f"{what} finished without writing summary.json", stage_dir)
-    return read_json(path)
+from draftport import economics
+from draftport.data.conversations import split_train_val
+from draftport.errors import DraftportError
+from draftport.study import plots
+from draftport.study.report import Image, Report, Section, write_report
+from draftport.study.report import Table as RTable
+from draftport.train.config import TOKEN_SCALE, TrainConfig, parse_token_counts, token_label
 
 
 # ---------------------------------------------------------------------------------------------
@@ -172,8 +33,6 @@ def read_summary(stage_dir: str, what: str) -> dict:
 
 def economics_row(accept_len: float, cycle_ms: float, verify_ms: float, baseline_tok_s: float) -> dict:
     """Break-even τ at this cycle, whether τ clears it, and the verify time at which it would just pay."""
-    from draftport import economics
-
     rest = max(cycle_ms - verify_ms, 0.0)
     be = economics.break_even_accept_len(baseline_tok_s, cycle_ms)
     v_pay = 1000.0 * accept_len / baseline_tok_s - rest
@@ -219,8 +78,6 @@ def transfer_data_ratio(rows: list[dict], key: str = "tokens") -> dict | None:
     transfer size whose online τ ≥ that τ, over the largest size (an upper bound: a size between two
     measured ones might do). Interpolated: where transfer's τ crosses it, linear in log(size) between the
     bracketing points. None where a recipe has no τ."""
-    import math
-
     def curve(recipe):
         return sorted((r[key], r["accept_len"]) for r in rows
                       if r["drafter"] == recipe and r.get(key) and r.get("accept_len") is not None)
@@ -292,8 +149,6 @@ class Sizes:
 def parse_sizes(spec) -> Sizes:
     """--sizes: "125k,500k,1M,2M" -> tokens (every entry suffixed k / M / G); "50,200" or [50, 200] ->
     samples, as before. A list that mixes the two is refused: "1M,400" has no single unit."""
-    from draftport.train.config import TOKEN_SCALE, parse_token_counts
-
     parts = [str(x).strip() for x in (spec.split(",") if isinstance(spec, str) else spec) if str(x).strip()]
     if not parts:
         raise DraftportError("--sizes: expected sample counts (50,200) or token counts (125k,2M), got nothing")
@@ -310,30 +165,11 @@ def parse_sizes(spec) -> Sizes:
     return Sizes("tokens" if all(suffixed) else "samples", tuple(sorted(set(values))))
 
 
-def _sizes(cfg: StudyConfig) -> Sizes:
-    if cfg.steps is not None and cfg.epochs is not None:
-        raise DraftportError("--steps and --epochs both set: give one (--epochs sizes each run's steps)")
-    if cfg.epochs is not None and cfg.epochs <= 0:
-        raise DraftportError(f"--epochs must be positive, got {cfg.epochs}")
-    if cfg.sizes is None:
-        return Sizes("samples", tuple(sorted({max(1, cfg.max_samples // 4), cfg.max_samples} if cfg.max_samples
-                                             else set(DEFAULT_SIZES))))
-    sizes = parse_sizes(cfg.sizes)
-    if not sizes.tokens and cfg.max_samples is not None and sizes.values[-1] > cfg.max_samples:
-        raise DraftportError(f"--sizes {list(sizes.values)} asks for more than --max-samples {cfg.max_samples}")
-    return sizes
-
-
 def size_points(sizes: Sizes, lengths, seed: int = 0, where: str | None = None) -> list[dict]:
     """Each size's training subset of a capture whose samples have `lengths` tokens (in store order): the
     first n samples, n = the size (samples), or the fewest whose tokens reach the size (tokens: the subset
     overshoots by less than one sample). -> [{"size", "label", "samples", "tokens", "train_samples"}];
     train_samples: those `train` trains on after holding out its validation share (same split, same seed)."""
-    import itertools
-
-    from draftport.data.conversations import split_train_val
-    from draftport.train.config import TrainConfig
-
     lengths = [int(x) for x in lengths]
     cum = list(itertools.accumulate(lengths))
     total = cum[-1] if cum else 0
@@ -354,16 +190,6 @@ def size_points(sizes: Sizes, lengths, seed: int = 0, where: str | None = None) 
     return out
 
 
-def steps_for(cfg: StudyConfig, point: dict) -> int | None:
-    """A run's optimizer steps: --steps as given, or --epochs over its own training samples."""
-    if cfg.epochs is None:
-        return cfg.steps
-    from draftport.train.config import TrainConfig
-
-    batch = TrainConfig(target="", data="", batch_size=cfg.batch_size).resolved("cpu").batch_size
-    return max(1, round(cfg.epochs * point["train_samples"] / batch))
-
-
 # check findings about whether a serving engine runs EAGLE-3 on the target at all (SGLang / vLLM on Gemma-3):
 # they decide the engine verdicts, not whether draftport's own engine can feed A's drafter from B
 SERVING_ONLY = {"target_unsupported"}
@@ -372,77 +198,6 @@ SERVING_ONLY = {"target_unsupported"}
 def fit_errors(findings: list[dict]) -> list[str]:
     """The check errors that make A's drafter unusable on B for the study (widths, vocab, layers out of range)."""
     return [f["message"] for f in findings if f["severity"] == "error" and f.get("code") not in SERVING_ONLY]
-
-
-def stage_check(cfg: StudyConfig) -> dict:
-    from draftport.verbs.check import CheckConfig, run_check
-
-    result = run_check(CheckConfig(drafter=cfg.drafter_a, target=cfg.target_b, engine="both"))
-    errors = [f for f in result["findings"] if f["severity"] == "error"]
-    return {"verdict": result.get("target_verdict", result["verdict"]), "engine_verdicts": result.get("engine_verdicts"),
-            "capture_layers": result.get("capture_layers"), "errors": [f["message"] for f in errors],
-            "fit_errors": fit_errors(result["findings"]),
-            "warnings": [f["message"] for f in result["findings"] if f["severity"] == "warning"]}
-
-
-def study_layers(cfg: StudyConfig) -> list[int]:
-    """The layers A's drafter reads on B when `cfg.engine` serves it (check/layers.py's rule; the check
-    stage has already refused a drafter whose recorded layers that engine would not feed)."""
-    from draftport.check.layers import resolve_aux_layers
-    from draftport.check.spec import load_drafter_spec, load_target_spec
-
-    return resolve_aux_layers(load_drafter_spec(cfg.drafter_a), load_target_spec(cfg.target_b), engine=cfg.engine).layers
-
-
-def stage_probe(cfg: StudyConfig, d: str, data: str) -> dict:
-    from draftport.study.probe import ProbeConfig, run_probe
-
-    s = run_probe(ProbeConfig(target_a=cfg.target_a, target_b=cfg.target_b, data=data, out=d, drafter=cfg.drafter_a,
-                              max_samples=cfg.probe_samples, max_len=cfg.max_len, device=cfg.device, dtype=cfg.dtype,
-                              seed=cfg.seed, chat_template=cfg.chat_template, trust_remote_code=cfg.trust_remote_code,
-                              engine=cfg.engine, depth=cfg.depth), console=Console(stderr=True))
-    for store in ("store-a", "store-b"):  # the statistics are in the summary; the states are not needed again
-        shutil.rmtree(os.path.join(d, store), ignore_errors=True)
-    return s
-
-
-def stage_capture(cfg: StudyConfig, d: str, layers: list[int], n: int | None) -> dict:
-    from draftport.train.capture import CaptureConfig, run_capture
-
-    return run_capture(CaptureConfig(target=cfg.target_b, data=cfg.data, out=d, max_samples=n, max_len=cfg.max_len,
-                                     aux_layers=layers, chat_template=cfg.chat_template, device=cfg.device,
-                                     dtype=cfg.dtype, seed=cfg.seed, regenerate=cfg.regenerate,
-                                     regen_batch_size=cfg.regen_batch_size, samples_per_prompt=cfg.samples_per_prompt,
-                                     temperature=cfg.temperature, max_new_tokens=cfg.regen_new_tokens,
-                                     trust_remote_code=cfg.trust_remote_code),
-                       console=Console(stderr=True))
-
-
-def stage_train(cfg: StudyConfig, d: str, store: str, n: int, init_from: str | None, steps: int | None,
-                lr: float | None, lm_head_from_target: bool) -> dict:
-    from draftport.train import loop as train
-    from draftport.train.config import TrainConfig
-
-    tcfg = make_config(TrainConfig, target=cfg.target_b, data=store, out=d, init_from=init_from,
-                       max_samples=n, steps=steps, ttt_steps=cfg.ttt_steps, batch_size=cfg.batch_size,
-                       max_len=cfg.max_len, device=cfg.device, dtype=cfg.dtype, seed=cfg.seed, lr=lr,
-                       lm_head_from_target=lm_head_from_target,
-                       chat_template=cfg.chat_template, trust_remote_code=cfg.trust_remote_code)
-    train.main(tcfg)
-    s = read_summary(d, "train")
-    final = s.get("final_drafter") or os.path.join(d, "final")
-    return {**s, "drafter_dir": final}
-
-
-def stage_eval(cfg: StudyConfig, d: str, drafter: str) -> dict:
-    from draftport.decode import evaluate
-
-    ecfg = make_config(evaluate.EvalConfig, target=cfg.target_b, drafter=drafter, prompts=cfg.prompts, out=d,
-                       max_samples=cfg.eval_prompts, max_new_tokens=cfg.max_new_tokens, depth=cfg.depth, topk=1,
-                       device=cfg.device, dtype=cfg.dtype, seed=cfg.seed, chat_template=cfg.chat_template,
-                       trust_remote_code=cfg.trust_remote_code, no_hf_baseline=True, hybrid=True)
-    evaluate.main(ecfg)
-    return read_summary(d, "eval")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -480,9 +235,6 @@ def best_row(rows: list[dict]) -> dict | None:
 
 def study_report(summary: dict, out: str) -> tuple[str, str]:
     """report.md + report.html with the plots, from the study's summary (all numbers measured)."""
-    from draftport.study import plots
-    from draftport.study.report import Image, Report, Section, Table as RTable, write_report
-
     # rows of a summary written before sizes had units (sample counts only) read as samples, so an old
     # study (docs/gpu-study until the chat-target run replaces it) still renders
     rows = [{"size": r.get("samples"), "unit": "samples", **r} for r in summary["rows"]]
@@ -601,125 +353,3 @@ def study_report(summary: dict, out: str) -> tuple[str, str]:
     return write_report(report, out)
 
 
-# ---------------------------------------------------------------------------------------------
-# The verb
-
-
-def run_study(cfg: StudyConfig, console: Console | None = None) -> dict:
-    console = console or Console(stderr=True)
-    sizes = _sizes(cfg)
-    if not os.path.exists(cfg.drafter_a):
-        raise bad_input(cfg.drafter_a, "--drafter-a: no such drafter")
-    if os.path.exists(cfg.out) and not os.path.isdir(cfg.out):
-        raise bad_input(cfg.out, "--out exists and is not a directory")
-    os.makedirs(cfg.out, exist_ok=True)
-    t_start = time.perf_counter()
-    stages = Stages(cfg.out, console, restart=cfg.restart, total=4 + 4 * len(sizes.values))
-    common = {k: getattr(cfg, k) for k in ("target_a", "drafter_a", "target_b", "data", "max_len", "device", "dtype",
-                                           "seed", "chat_template", "engine")}
-    common = {k: (os.path.abspath(v) if isinstance(v, str) and os.path.exists(v) else v) for k, v in common.items()}
-
-    check = stages.run("check", {"drafter": common["drafter_a"], "target": common["target_b"], "rule": "fit"},
-                       lambda d: stage_check(cfg), "check: A's drafter against B")
-    if check["fit_errors"]:  # an engine that cannot serve B (Gemma-3 today) is reported, not fatal: ours runs it
-        raise DraftportError("A's drafter cannot be fed by target B: " + "; ".join(check["fit_errors"][:3]),
-                             cfg.drafter_a)
-    layers = study_layers(cfg)
-
-    # sample sizes capture just what the largest needs; token sizes capture the prompts given (the tokens a
-    # prompt yields are known only once B has answered it), the subsets chosen after
-    n_cap = cfg.max_samples if sizes.tokens else sizes.values[-1]
-    regen = {"regenerate": cfg.regenerate, "regen_batch_size": cfg.regen_batch_size}
-    if cfg.regenerate and (cfg.samples_per_prompt != 1 or cfg.temperature or cfg.regen_new_tokens):
-        regen.update(samples_per_prompt=cfg.samples_per_prompt, temperature=cfg.temperature,
-                     regen_new_tokens=cfg.regen_new_tokens)  # only when set: older studies keep their hash
-    cap = stages.run("capture", {**common, "n": n_cap, "layers": layers, **regen},
-                     lambda d: stage_capture(cfg, d, layers, n_cap),
-                     f"capture B on {n_cap if n_cap is not None else 'all'} {'prompts' if sizes.tokens else 'samples'}")
-    store = os.path.join(cfg.out, "capture")
-    from draftport.data.store import Store
-
-    points = size_points(sizes, Store(store).lengths, cfg.seed, store)
-    # the probe compares A and B on the text the drafter will see on B: B's own answers when regenerated
-    # (prompt-only data has no assistant tokens to compare before that)
-    from draftport.train.capture import REGEN_FILE
-    probe_data = os.path.join(store, REGEN_FILE) if cfg.regenerate else cfg.data
-    probe = stages.run("probe", {**common, "samples": cfg.probe_samples, "depth": cfg.depth,
-                                 "regenerate": cfg.regenerate},
-                       lambda d: stage_probe(cfg, d, probe_data), "probe: hidden-state similarity and plug-in τ")
-    train_cfg = {**common, "ttt_steps": cfg.ttt_steps, "batch_size": cfg.batch_size, "capture": cap.get("num_tokens")}
-    eval_cfg = {**common, "prompts": cfg.prompts, "n": cfg.eval_prompts, "max_new_tokens": cfg.max_new_tokens,
-                "depth": cfg.depth, "hybrid": True}
-
-    plugin_eval = stages.run("eval-plugin", {**eval_cfg, "drafter": common["drafter_a"]},
-                             lambda d: stage_eval(cfg, d, cfg.drafter_a), "eval: A's drafter plugged into B")
-    runs = []
-    for pt in points:
-        n, steps = pt["samples"], steps_for(cfg, pt)
-        for recipe, init in (("transfer", cfg.drafter_a), ("scratch", None)):
-            lr = (cfg.transfer_lr or cfg.lr) if init else cfg.lr
-            head = init is None and cfg.lm_head_from_target
-            # a stage's config names what it trains on (n samples) and how: a token size that maps to the same
-            # samples reuses the run
-            tr = stages.run(f"train-{recipe}-{pt['label']}",
-                            {**train_cfg, "n": n, "steps": steps, "lr": lr, "init_from": init and os.path.abspath(init),
-                             **({"lm_head_from_target": True} if head else {})},
-                            lambda d, n=n, init=init, steps=steps, lr=lr, head=head:
-                                stage_train(cfg, d, store, n, init, steps, lr, head),
-                            f"train {recipe} on {pt['label']} {sizes.unit}"
-                            + (f" ({n:,} samples, {pt['tokens']:,} tokens)" if sizes.tokens else ""))
-            ev = stages.run(f"eval-{recipe}-{pt['label']}",
-                            {**eval_cfg, "drafter": tr["drafter_dir"], "trained": tr.get("steps")},
-                            lambda d, tr=tr: stage_eval(cfg, d, tr["drafter_dir"]), f"eval {recipe}-{pt['label']} on B")
-            num_train = tr.get("num_train") or pt["train_samples"]
-            B = tr.get("batch_size") or cfg.batch_size
-            epochs = tr["steps"] * B / num_train if tr.get("steps") and B and num_train else None
-            runs.append({"recipe": recipe, "size": pt["size"], "unit": sizes.unit, "label": pt["label"], "samples": n,
-                         "tokens": pt["tokens"], "train_samples": num_train, "steps": tr.get("steps"),
-                         "epochs": epochs, "train_accept_len": tr.get("val_accept_len"), "eval": ev,
-                         "drafter_dir": tr["drafter_dir"]})
-    rows = build_rows({"recipe": "plug-in", "size": 0, "label": "0", "samples": 0, "tokens": 0, "steps": 0,
-                       "eval": plugin_eval, "train_accept_len": probe.get("plugin_accept_len")}, runs)
-
-    summary = {"out": cfg.out, "target_a": cfg.target_a, "drafter_a": cfg.drafter_a, "target_b": cfg.target_b,
-               "data": cfg.data, "sizes": list(sizes.values), "size_unit": sizes.unit, "size_points": points,
-               "epochs": cfg.epochs, "check": check,
-               "similarity": probe["similarity"], "plugin_accept_len": probe.get("plugin_accept_len"),
-               "accept_len_a": probe.get("accept_len_a"), "depth": cfg.depth, "rows": rows,
-               "data_ratio": transfer_data_ratio(rows, "tokens" if sizes.tokens else "samples"),
-               "stage_timings": stages.timings}
-    stages.index += 1
-    t0 = time.perf_counter()
-    md, html = study_report(summary, cfg.out)
-    stages.timings["report"] = {"seconds": time.perf_counter() - t0, "cached": False}
-    summary.update(report_md=md, report_html=html, seconds=time.perf_counter() - t_start)
-    atomic_write_json(os.path.join(cfg.out, "summary.json"), summary)
-    return summary
-
-
-def render(summary: dict, console: Console) -> None:
-    t = Table(title=f"port study: {summary['drafter_a']} → {summary['target_b']}")
-    cols = [("drafter", "drafter", str), ("label", "size", str), ("samples", "samples", "{:,}".format),
-            ("tokens", "tokens", "{:,}".format), ("accept_len", "τ online", "{:.2f}".format),
-            ("floor_accept_len", "τ floor", "{:.2f}".format), ("hybrid_accept_len", "τ hybrid", "{:.2f}".format),
-            ("offline_accept_len", "τ offline", "{:.2f}".format), ("tok_s", "tok/s", "{:.1f}".format),
-            ("baseline_tok_s", "baseline", "{:.1f}".format), ("speedup", "speedup", "{:.2f}×".format),
-            ("break_even_accept_len", "break-even τ", "{:.2f}".format),
-            ("verify_ms_to_pay", "verify to pay (ms)", "{:.1f}".format)]
-    for _, label, _ in cols:
-        t.add_column(label, justify="right")
-    for r in summary["rows"]:
-        t.add_row(*("–" if r.get(k) is None else f(r[k]) for k, _, f in cols))
-    console.print(t)
-    if summary.get("data_ratio") is not None:
-        console.print(ratio_sentence(summary["data_ratio"], unit_label(summary.get("size_unit", "samples"))))
-    console.print(f"report → {summary['report_html']}")
-
-
-def main(cfg: StudyConfig) -> int:
-    summary = run_study(cfg)
-    if cfg.json:
-        print(json.dumps(summary))
-    else:
-        render(summary, Console())
-    return 0

@@ -1,5 +1,6 @@
-"""`draftport train`: EAGLE-3 training-time test (TTT) on a capture store (offline) or on
-conversations with the target running in this process (online); one process or torchrun + FSDP2.
+"""Training a drafter: EAGLE-3 training-time test (TTT) on a capture store (offline) or on
+conversations with the target running in this process (online); one process or torchrun + FSDP2 (the
+`train` verb, verbs/train.py, runs `run_train` and prints its summary).
 
 Indexing (docs/design.md, losses.py). The batch is shifted once: position t carries aux(t), the token
 x_{t+1}, the target distribution p_{t+1} (the target's head over last_hidden[t+1]) and the loss
@@ -186,7 +187,7 @@ def request_config(cfg: TrainConfig, device: torch.device) -> dict:
     skip = {"out", "restart", "json", "val_every", "save_every", "keep_last", "save_at_tokens", "log_every",
             "val_max_samples", "max_nonfinite_steps", "compile"}  # compile: the same weights either way
     if not cfg.regenerate:  # regeneration settings decide nothing then (and checkpoints without them resume)
-        from draftport.train.capture import REGEN_KEYS
+        from draftport.capture.capture import REGEN_KEYS
         skip |= {"regenerate", *REGEN_KEYS}
     if not cfg.group_by_length:  # off decides nothing new (and checkpoints without the key resume)
         skip.add("group_by_length")
@@ -292,7 +293,7 @@ def regenerated_data(cfg: TrainConfig, out: str, request: dict, target, info, co
     if not cfg.regenerate:
         return cfg
     from draftport.data.conversations import load_conversations
-    from draftport.train.capture import DEFAULT_BATCH, DEFAULT_MAX_LEN, REGEN_FILE, REQUEST_KEYS, regenerate_into
+    from draftport.capture.capture import DEFAULT_BATCH, DEFAULT_MAX_LEN, REGEN_FILE, REQUEST_KEYS, regenerate_into
 
     if Samples.is_store(cfg.data):
         raise bad_input(cfg.data, "--regenerate needs conversations or prompts, not a capture store")
@@ -551,7 +552,6 @@ def _run(cfg: TrainConfig, info, target, console) -> dict:
         "milestones": ckpt.list_milestones(out) if cfg.save_at_tokens else None})
     if info.is_main:
         atomic_write_json(os.path.join(out, "summary.json"), summary)
-        _render(console, summary)
     return summary
 
 
@@ -562,29 +562,3 @@ def _stop_nonfinite(bad_run: int, at: int, out: str) -> None:
         f"{bad_run} steps in a row (up to step {at}) had a non-finite loss or gradient; stopped. "
         + (f"The last checkpoint {good} is intact: rerun to resume from it" if good else "No checkpoint was written yet")
         + ", or lower --lr / check the data and rerun with --restart", out)
-
-
-def _render(console, s: dict) -> None:
-    from rich.table import Table
-
-    t = Table(title=f"draftport train → {s['final_drafter']}")
-    t.add_column("")
-    t.add_column("fresh / start", justify="right")
-    t.add_column("final", justify="right")
-    iv = s.get("initial_val") or {}
-    fmt = lambda v: "–" if v is None else f"{v:.3f}"  # noqa: E731
-    t.add_row("validation loss", fmt(iv.get("val_loss")), fmt(s.get("val_loss")))
-    t.add_row("simulated τ (depth 3)", fmt(iv.get("val_accept_len")), fmt(s.get("val_accept_len")))
-    if s["ttt_steps"] != 3:  # at --ttt-steps 3 this is the depth-3 row above
-        t.add_row(f"simulated τ (depth {s['ttt_steps']})", fmt(iv.get("val_accept_len_k")), fmt(s.get("val_accept_len_k")))
-    acc0, acc1 = (iv.get("val_acc") or [None])[0], (s.get("val_acc") or [None])[0]
-    t.add_row("step-0 accuracy", fmt(acc0), fmt(acc1))
-    console.print(t)
-    console.print(f"{s['steps']} steps, train loss {fmt(s.get('final_loss'))}, vocab: {s['vocab'].get('vocab')}")
-
-
-def main(cfg: TrainConfig) -> int:
-    summary = run_train(cfg)
-    if cfg.json and int(os.environ.get("RANK", "0")) == 0:
-        print(json.dumps(summary))
-    return 0

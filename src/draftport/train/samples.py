@@ -45,7 +45,7 @@ class Samples:
             shas = "".join(s["sha256"] for s in self.store.manifest["shards"])
             self.fingerprint = f"store:{n}:{hash_text(shas)}"
         else:
-            from draftport.train.capture import DEFAULT_MAX_LEN, data_fingerprint, tokenize_all
+            from draftport.capture.capture import DEFAULT_MAX_LEN, data_fingerprint, tokenize_all
             from draftport.data.conversations import load_conversations
 
             convs = load_conversations(data, max_samples=max_samples)

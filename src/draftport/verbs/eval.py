@@ -25,6 +25,7 @@ from draftport.model.formats import load_drafter_for
 from draftport.model.target import load_target
 from draftport.safeio import atomic_write_bytes, atomic_write_json, default_out, sha256_file
 from draftport.study import plots
+from draftport.study.report import fmt
 
 DEFAULT_TIMING_REPEATS = 20    # calls per isolated step measurement (median taken)
 
@@ -137,10 +138,6 @@ def write_outputs(out: str, summary: dict, rows: list[dict]) -> None:
                    "sha256": sha256_file(os.path.join(out, f))} for f in files]})
 
 
-def _fmt(v, spec: str = "{:.2f}") -> str:
-    return "–" if v is None else spec.format(v)
-
-
 def render_eval(summary: dict, console) -> None:
     t = Table(title=f"eval: {summary['num_prompts']} prompts, {summary['cycles']} cycles, "
                     f"depth {summary['config']['engine']['depth']}, topk {summary['config']['engine']['topk']}")
@@ -148,24 +145,24 @@ def render_eval(summary: dict, console) -> None:
     t.add_column("value", justify="right")
     iso = summary["isolated_ms"]
     for name, value in [
-        ("τ online (tokens per cycle)", _fmt(summary["accept_len"], "{:.3f}")),
-        (f"τ offline ({summary['offline_source']})", _fmt(summary["offline_accept_len"], "{:.3f}")),
-        ("  relative error", _fmt(summary["offline_rel_err"], "{:+.1%}")),
+        ("τ online (tokens per cycle)", fmt(summary["accept_len"], "{:.3f}")),
+        (f"τ offline ({summary['offline_source']})", fmt(summary["offline_accept_len"], "{:.3f}")),
+        ("  relative error", fmt(summary["offline_rel_err"], "{:+.1%}")),
         ("per-position acceptance", " ".join(f"{x:.2f}" for x in summary["per_position_accept"])),
-        ("tok/s speculative", _fmt(summary["tok_s"], "{:.1f}")),
-        ("tok/s no speculation", _fmt(summary["baseline_tok_s"], "{:.1f}")),
-        ("speedup", _fmt(summary["speedup"], "{:.2f}×")),
-        ("tok/s HF generate", _fmt(summary["hf_generate_tok_s"], "{:.1f}")),
-        ("tok/s predicted (offline τ, isolated steps)", _fmt(summary["predicted_tok_s"], "{:.1f}")),
-        ("  relative error", _fmt(summary["predicted_rel_err"], "{:+.1%}")),
+        ("tok/s speculative", fmt(summary["tok_s"], "{:.1f}")),
+        ("tok/s no speculation", fmt(summary["baseline_tok_s"], "{:.1f}")),
+        ("speedup", fmt(summary["speedup"], "{:.2f}×")),
+        ("tok/s HF generate", fmt(summary["hf_generate_tok_s"], "{:.1f}")),
+        ("tok/s predicted (offline τ, isolated steps)", fmt(summary["predicted_tok_s"], "{:.1f}")),
+        ("  relative error", fmt(summary["predicted_rel_err"], "{:+.1%}")),
         *([("tok/s predicted by chain depth (best: " + str(summary["best_depth"]) + ")",
             "  ".join(f"{r['depth']}: {r['tok_s']:.1f}" for r in summary["predicted_by_depth"]))]
           if summary.get("predicted_by_depth") else []),
-        ("cycle: draft / verify / overhead ms", f"{_fmt(summary['draft_ms'])} / {_fmt(summary['verify_ms'])} / "
-                                                f"{_fmt(summary['overhead_ms'])}"),
+        ("cycle: draft / verify / overhead ms", f"{fmt(summary['draft_ms'])} / {fmt(summary['verify_ms'])} / "
+                                                f"{fmt(summary['overhead_ms'])}"),
         ("isolated: decode step / verify / draft step / extend ms",
-         f"{iso['decode_step_ms']:.2f} / {iso['verify_ms']:.2f} / {_fmt(iso['draft_step_ms'])} / {_fmt(iso['extend_ms'])}"),
-        ("greedy match rate vs no speculation", _fmt(summary["match_rate"], "{:.4f}")),
+         f"{iso['decode_step_ms']:.2f} / {iso['verify_ms']:.2f} / {fmt(iso['draft_step_ms'])} / {fmt(iso['extend_ms'])}"),
+        ("greedy match rate vs no speculation", fmt(summary["match_rate"], "{:.4f}")),
     ]:
         t.add_row(name, value)
     console.print(t)
@@ -194,12 +191,12 @@ def render_floor(summary: dict, console) -> None:
     for col in ("run", "τ", "per-position acceptance", "tok/s", "speedup", "greedy match"):
         t.add_column(col, justify="left" if col in ("run", "per-position acceptance") else "right")
     runs = [] if summary["config"].get("drafter") == NGRAM else [("drafter", summary)]
-    runs.append(("prompt lookup" + (" (offline τ " + _fmt(fl["offline_accept_len"], "{:.3f}") + ")"), fl))
+    runs.append(("prompt lookup" + (" (offline τ " + fmt(fl["offline_accept_len"], "{:.3f}") + ")"), fl))
     if summary.get("hybrid"):
         runs.append((f"hybrid (n-gram when match ≥ {summary['hybrid']['config']['min_match']})", summary["hybrid"]))
     for name, r in runs:
-        t.add_row(name, _fmt(r["accept_len"], "{:.3f}"), " ".join(f"{x:.2f}" for x in r["per_position_accept"]),
-                  _fmt(r["tok_s"], "{:.1f}"), _fmt(r["speedup"], "{:.2f}×"), _fmt(r["match_rate"], "{:.4f}"))
+        t.add_row(name, fmt(r["accept_len"], "{:.3f}"), " ".join(f"{x:.2f}" for x in r["per_position_accept"]),
+                  fmt(r["tok_s"], "{:.1f}"), fmt(r["speedup"], "{:.2f}×"), fmt(r["match_rate"], "{:.4f}"))
     console.print(t)
     by = fl.get("by_match_len") or {}
     if by:

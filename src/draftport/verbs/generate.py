@@ -18,6 +18,7 @@ from draftport.decode.options import DEFAULT_MAX_NEW_TOKENS, NGRAM, EngineConfig
 from draftport.errors import DraftportError
 from draftport.model.formats import load_drafter_for
 from draftport.model.target import load_target
+from draftport.study.report import fmt
 
 
 @dataclass
@@ -78,7 +79,6 @@ def main(cfg: GenerateConfig) -> int:
     sys.stdout.write(res["text"].rstrip("\n") + "\n")
     sys.stdout.flush()
     mode = "speculative" if res["speculative"] else "no speculation"
-    rate = "–" if res["tok_s"] is None else f"{res['tok_s']:.1f}"
     Console().print(f"[dim]{mode}: τ = {res['accept_len']:.2f} tokens/cycle over {res['cycles']} cycles, "
-                    f"{rate} tok/s[/dim]")
+                    f"{fmt(res['tok_s'], '{:.1f}')} tok/s[/dim]")
     return 0

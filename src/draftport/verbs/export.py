@@ -11,13 +11,16 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from rich.console import Console
+from rich.table import Table
 
+from draftport.check.compat import check_drafter, embedding_findings, engine_support, target_findings
+from draftport.check.engines import FORMAT_ENGINES, EngineRef, parse_engines
+from draftport.check.inventory import read_inventory
+from draftport.check.spec import TargetSpec, load_drafter_spec
 from draftport.errors import DraftportError
-from draftport.safeio import atomic_rename_dir
-
-from draftport.check.spec import TargetSpec
 from draftport.model.formats import FORMATS, load_drafter, save_drafter
-
+from draftport.safeio import atomic_rename_dir
 
 
 @dataclass
@@ -36,8 +39,6 @@ class ExportConfig:
 
 def export_engines(format: str, engine: str | None) -> tuple:
     """The EngineRefs an export is judged by: the engines `format` is for, at the versions --engine names."""
-    from draftport.check.engines import FORMAT_ENGINES, EngineRef, parse_engines
-
     named = {r.engine: r for r in parse_engines(engine)} if engine else {}
     stray = sorted(set(named) - set(FORMAT_ENGINES[format]))
     if stray:
@@ -48,10 +49,6 @@ def export_engines(format: str, engine: str | None) -> tuple:
 
 def export_findings(directory: str, refs, target: TargetSpec | None) -> list[dict]:
     """What `check` says of the written directory for these engines: export and check share one judge."""
-    from draftport.check.compat import check_drafter, embedding_findings, engine_support, target_findings
-    from draftport.check.inventory import read_inventory
-    from draftport.check.spec import load_drafter_spec
-
     spec, inv = load_drafter_spec(directory), read_inventory(directory)
     out = [f for f in check_drafter(spec, inv) if f["severity"] == "error"]
     for ref in refs:
@@ -77,7 +74,7 @@ def launch_commands(out: str, format: str, target_path: str | None, k: int) -> d
     return cmds
 
 
-def export_main(cfg: ExportConfig) -> int:
+def main(cfg: ExportConfig) -> int:
     if cfg.format not in FORMATS:
         raise DraftportError(f"unknown format {cfg.format!r} (expected one of {', '.join(FORMATS)})")
     if cfg.out is None:
@@ -85,8 +82,6 @@ def export_main(cfg: ExportConfig) -> int:
     out = Path(cfg.out).absolute()
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise DraftportError("exists and is not an empty directory (choose another --out or remove it)", out)
-    from draftport.check.engines import EngineRef
-
     refs = export_engines(cfg.format, cfg.engine)
     drafter, report = load_drafter(cfg.drafter)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -138,9 +133,6 @@ def export_main(cfg: ExportConfig) -> int:
 
 
 def _render(p: dict) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     con = Console()
     table = Table(title=f"draftport export → {p['format']}", show_header=False)
     table.add_column(style="bold")

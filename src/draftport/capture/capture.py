@@ -1,4 +1,5 @@
-"""`draftport capture`: run the target over (optionally regenerated) conversations into a store.
+"""Capture: the target run over (optionally regenerated) conversations into a store (the `capture` verb,
+verbs/capture.py; probe, study and demo run it too).
 
 Order and resume. Samples keep the order `data/conversations.load_conversations` gives (after dropping those with
 no assistant token left after truncation), so sample i of the store is stable. Shard boundaries are
@@ -19,7 +20,6 @@ long after each shard is committed, so a test can kill the process between shard
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import shutil
 import time
@@ -64,7 +64,7 @@ class CaptureConfig:
     regenerate: bool = False           # replace assistant turns with the target's own responses first
     samples_per_prompt: int = 1        # regeneration: responses per prompt
     save_data: str | None = None       # also write the captured conversations (JSONL, `messages`) here
-    max_new_tokens: int | None = None  # regeneration: tokens per response (None: train.regenerate's REGEN_MAX_NEW_TOKENS)
+    max_new_tokens: int | None = None  # regeneration: tokens per response (None: regenerate.REGEN_MAX_NEW_TOKENS)
     temperature: float = 0.0           # regeneration: 0 = greedy
     regen_batch_size: int | None = None  # regeneration: prompts per batched generate (None: --batch-size);
                                          # generation is host-bound per step, so GPUs want hundreds
@@ -152,7 +152,7 @@ def regenerate_into(out: str, target, convs, request: dict, console: Console, *,
     (keys compared against the saved one; it holds max_len, regen_batch_size and regen_engine). Saved text
     made with another request is refused, or with replace_other deleted and made again."""
     from draftport.data import conversations as data_mod
-    from draftport.train import regenerate as regen_mod
+    from draftport.capture import regenerate as regen_mod
 
     regen_dir = os.path.join(out, REGEN_DIR)
     os.makedirs(regen_dir, exist_ok=True)
@@ -409,10 +409,3 @@ def run_capture(cfg: CaptureConfig, target=None, console: Console | None = None)
                   f"({done:,} this run at {summary['tokens_per_s']:,.0f} tok/s), "
                   f"{human_bytes(summary['bytes'])} on disk → {out}")
     return summary
-
-
-def main(cfg: CaptureConfig) -> int:
-    summary = run_capture(cfg)
-    if cfg.json:
-        print(json.dumps(summary))
-    return 0

@@ -1,0 +1,1 @@
+"""Capture: the target writes the training data (regeneration) and its hidden states (a checksummed, resumable store)."""
