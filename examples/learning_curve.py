@@ -36,10 +36,10 @@ def parse_sets(text: str) -> list[tuple[str, str]]:
 
 def drafters_of(run: str) -> list[dict]:
     """The run's milestones (tokens seen, path), then the final drafter at the run's last token count."""
-    from draftport.train import checkpoint as ck
+    from draftport.train import rundir
 
     points = [{"name": str(m["mark_tokens"]), "tokens": m["tokens_seen"], "mark": m["mark_tokens"], "step": m["step"],
-               "path": m["path"]} for m in ck.list_milestones(run)]
+               "path": m["path"]} for m in rundir.list_milestones(run)]
     final = os.path.join(run, "final")
     metrics = os.path.join(run, "metrics.jsonl")
     if os.path.isdir(final) and os.path.isfile(metrics):

@@ -41,7 +41,7 @@ from hypothesis import strategies as st
 from safetensors import safe_open
 from safetensors.numpy import save_file as np_save_file
 
-from draftport.train import checkpoint as ckpt
+from draftport.train import resume, rundir
 from draftport.verbs.check import CheckConfig, render, run_check
 from draftport.data.conversations import LoadStats, iter_json_array, load_conversations, load_prompts
 from draftport.errors import DraftportError
@@ -918,7 +918,7 @@ def checkpoint_base(tmp_path_factory):
             "initial_val": {"val_loss": 2.0}, "last_metrics": {"loss": 1.5, "step": 5},
             "data": {"samples_seen": 10, "epoch": 0, "batch_in_epoch": 5},
             "scheduler": {"name": "warmup_cosine", "peak_lr": 1e-3, "warmup": 1, "total": 10}}
-    ckpt.save_training_state(out, 5, model, opt, DistInfo(), meta, write_model=None, keep_last=0)
+    rundir.save_training_state(out, 5, model, opt, DistInfo(), meta, write_model=None, keep_last=0)
     return out
 
 
@@ -935,7 +935,7 @@ def rng_kept():
 
 
 def test_fuzz_checkpoint_resume_json(request, checkpoint_base):
-    rel = Path(ckpt.CHECKPOINTS) / "step-00000005" / ckpt.RESUME / ckpt.STATE_JSON
+    rel = Path(rundir.CHECKPOINTS) / "step-00000005" / resume.RESUME / resume.STATE_JSON
     meta0 = json.loads((checkpoint_base / rel).read_text())
 
     def prop(data):
@@ -947,19 +947,19 @@ def test_fuzz_checkpoint_resume_json(request, checkpoint_base):
                 with contextlib.suppress(ValueError, RecursionError, UnicodeDecodeError):
                     doc = json.loads(raw)
                     if isinstance(doc, dict):
-                        doc[ckpt.STATE_DIGEST] = ckpt.state_digest(doc)
+                        doc[resume.STATE_DIGEST] = resume.state_digest(doc)
                         raw = json.dumps(doc).encode()
             (out / rel).write_bytes(raw)
-            latest = ckpt.latest_checkpoint(out)
+            latest = rundir.latest_checkpoint(out)
             if latest is None:
                 return
             # as train.py resumes: verify (and compare the recorded settings), then restore
-            meta = attempt(None, ckpt.verify_checkpoint, latest)
+            meta = attempt(None, resume.verify_checkpoint, latest)
             if meta is not None:
-                assert isinstance(ckpt.config_mismatch(meta.get("config", {}), {"lr": 1e-3}), (str, type(None)))
+                assert isinstance(rundir.config_mismatch(meta.get("config", {}), {"lr": 1e-3}), (str, type(None)))
             model, opt = _tiny_model()
             with rng_kept():
-                meta = attempt("checkpoint resume", ckpt.restore_training_state, latest, model, opt, DistInfo())
+                meta = attempt("checkpoint resume", resume.restore_training_state, latest, model, opt, DistInfo())
             if meta is not None:  # what train.py then relies on
                 assert isinstance(meta["step"], int) and meta["step"] >= 0
                 assert isinstance(meta.get("last_metrics", {}), dict)

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from draftport.errors import DraftportError
 from draftport.model.drafter import Eagle3Drafter
-from draftport.train.checkpoint import export_copy, fold_aux_scale
+from draftport.train.rundir import export_copy, fold_aux_scale
 from draftport.train.config import TrainConfig
 from draftport.train.loop import run_train
 from draftport.train.samples import aux_inv_scale

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from draftport.train import checkpoint as ck
+from draftport.train import resume, rundir
 from draftport.errors import DraftportError
 
 
@@ -44,25 +44,25 @@ def _fresh(seed=0):
 
 
 def _save(out, step, model, opt, keep_last=0, extra=None):
-    msd, osd = ck.gather_full_state(model, opt, skip=("embed_tokens.",))
-    tensors, ometa = ck.pack_state(msd, osd)
-    tensors.update(ck.rng_tensors(0))
+    msd, osd = resume.gather_full_state(model, opt, skip=("embed_tokens.",))
+    tensors, ometa = resume.pack_state(msd, osd)
+    tensors.update(resume.rng_tensors(0))
 
     def write_model(d):
         from safetensors.torch import save_file
         save_file({k: v.clone() for k, v in msd.items()}, str(d / "model.safetensors"))
         (d / "config.json").write_text("{}")
 
-    meta = {"optimizer": ometa, "data": {"samples_seen": step * 3}, "host_rng": ck.host_rng_state(), **(extra or {})}
-    return ck.write_checkpoint(out, step, tensors=tensors, meta=meta, write_model=write_model, keep_last=keep_last)
+    meta = {"optimizer": ometa, "data": {"samples_seen": step * 3}, "host_rng": resume.host_rng_state(), **(extra or {})}
+    return rundir.write_checkpoint(out, step, tensors=tensors, meta=meta, write_model=write_model, keep_last=keep_last)
 
 
 def _restore(path, model, opt):
-    meta, tensors = ck.read_checkpoint(path)
-    msd, osd = ck.split_state(tensors, meta)
-    ck.load_full_state(model, opt, msd, osd, skip=("embed_tokens.",))
-    assert ck.set_rng_tensors(tensors, 0)
-    ck.set_host_rng_state(meta["host_rng"])
+    meta, tensors = resume.read_checkpoint(path)
+    msd, osd = resume.split_state(tensors, meta)
+    resume.load_full_state(model, opt, msd, osd, skip=("embed_tokens.",))
+    assert resume.set_rng_tensors(tensors, 0)
+    resume.set_host_rng_state(meta["host_rng"])
     return meta
 
 
@@ -106,20 +106,20 @@ def test_half_written_checkpoints_are_ignored_and_truncated_ones_named(tmp_path)
     m, opt = _fresh()
     _train_step(m, opt, 0)
     good = _save(tmp_path, 1, m, opt)
-    root = tmp_path / ck.CHECKPOINTS
+    root = tmp_path / rundir.CHECKPOINTS
     # a kill mid-write leaves a temp dir; a copied dir without state.json: neither is a checkpoint
     (root / ".tmp-step-00000009-1234" / "resume").mkdir(parents=True)
     (root / "step-00000005" / "resume").mkdir(parents=True)
-    assert ck.latest_checkpoint(tmp_path) == good and ck.unusable_checkpoints(tmp_path) == [root / "step-00000005"]
+    assert rundir.latest_checkpoint(tmp_path) == good and rundir.unusable_checkpoints(tmp_path) == [root / "step-00000005"]
     # a published checkpoint truncated afterwards (a kill cannot do that) is damage: named, not skipped
     trunc = _save(tmp_path, 7, m, opt)
     data = (trunc / "resume/state.safetensors").read_bytes()
     (trunc / "resume/state.safetensors").write_bytes(data[: len(data) // 2])
-    assert ck.latest_checkpoint(tmp_path) == trunc
+    assert rundir.latest_checkpoint(tmp_path) == trunc
     with pytest.raises(DraftportError, match="bytes, state.json records") as exc:
-        ck.read_checkpoint(trunc)
+        resume.read_checkpoint(trunc)
     assert "\n" not in str(exc.value) and "state.safetensors" in str(exc.value)
-    ck.prune(tmp_path, keep_last=5)
+    rundir.prune(tmp_path, keep_last=5)
     assert not (root / ".tmp-step-00000009-1234").exists()
 
 
@@ -131,9 +131,9 @@ def test_checksum_mismatch_is_one_line_error(tmp_path):
     data = bytearray(f.read_bytes())
     data[-1] ^= 0xFF  # same size, different content: only the checksum can tell
     f.write_bytes(bytes(data))
-    assert ck.is_complete(path)
+    assert rundir.is_complete(path)
     with pytest.raises(DraftportError, match="checksum mismatch") as exc:
-        ck.read_checkpoint(path)
+        resume.read_checkpoint(path)
     assert "\n" not in str(exc.value) and "state.safetensors" in str(exc.value)
 
 
@@ -142,17 +142,17 @@ def test_keep_last_n(tmp_path):
     for step in range(1, 6):
         _train_step(m, opt, step)
         _save(tmp_path, step, m, opt, keep_last=2)
-    assert [s for s, _ in ck.list_checkpoints(tmp_path)] == [4, 5]
-    assert sorted(os.listdir(tmp_path / ck.CHECKPOINTS)) == ["step-00000004", "step-00000005"]
+    assert [s for s, _ in rundir.list_checkpoints(tmp_path)] == [4, 5]
+    assert sorted(os.listdir(tmp_path / rundir.CHECKPOINTS)) == ["step-00000004", "step-00000005"]
 
 
 def test_optimizer_flatten_roundtrip():
     m, opt = _fresh()
     _train_step(m, opt, 0)
-    _, osd = ck.gather_full_state(m, opt)
-    tensors, meta = ck.flatten_optimizer(osd)
+    _, osd = resume.gather_full_state(m, opt)
+    tensors, meta = resume.flatten_optimizer(osd)
     meta = json.loads(json.dumps(meta))  # must survive JSON
-    back = ck.unflatten_optimizer(tensors, meta)
+    back = resume.unflatten_optimizer(tensors, meta)
     assert back["param_groups"] == osd["param_groups"]
     for fqn, st in osd["state"].items():
         for k, v in st.items():
@@ -163,8 +163,8 @@ def test_resume_state_must_fit_the_model(tmp_path):
     m, opt = _fresh()
     _train_step(m, opt, 0)
     path = _save(tmp_path, 1, m, opt)
-    meta, tensors = ck.read_checkpoint(path)
-    msd, osd = ck.split_state(tensors, meta)
+    meta, tensors = resume.read_checkpoint(path)
+    msd, osd = resume.split_state(tensors, meta)
     msd.pop("lm_head.weight")
     with pytest.raises(DraftportError, match="lm_head.weight"):
-        ck.load_full_state(_fresh()[0], None, msd, None, skip=("embed_tokens.",))
+        resume.load_full_state(_fresh()[0], None, msd, None, skip=("embed_tokens.",))

@@ -14,7 +14,7 @@ from rich.console import Console
 
 from draftport import cli
 from draftport.errors import DraftportError
-from draftport.train import checkpoint as ck
+from draftport.train import rundir
 from draftport.capture.capture import CaptureConfig, run_capture
 from draftport.train.config import TrainConfig
 from draftport.train.loop import run_train
@@ -53,21 +53,21 @@ def test_marks_publish_at_the_first_step_reaching_them_and_resume_exactly(store,
     assert sorted(got) == marks
     assert (got[marks[0]]["step"], got[marks[0]]["tokens_seen"]) == (2, seen[2])
     assert (got[marks[1]]["step"], got[marks[1]]["tokens_seen"]) == (5, seen[5])
-    assert [s for s, _ in ck.list_checkpoints(ref)] == [6]  # keep_last pruned steps 2, 3, 5; the marks stay
+    assert [s for s, _ in rundir.list_checkpoints(ref)] == [6]  # keep_last pruned steps 2, 3, 5; the marks stay
     for m in marks:
-        assert (ck.milestone_dir(ref, m) / "model.safetensors").is_file()
+        assert (rundir.milestone_dir(ref, m) / "model.safetensors").is_file()
     # a milestone drafter is a drafter: formats.load_drafter reads it
     from draftport.model.formats import load_drafter
 
-    assert load_drafter(str(ck.milestone_dir(ref, marks[1]))) is not None
+    assert load_drafter(str(rundir.milestone_dir(ref, marks[1]))) is not None
 
     # the same run cut after step 3: the second mark's copy and everything after step 3 gone, then rerun
     cut = tmp_path / "cut"
     run_train(_cfg(store, cut, save_every=3, keep_last=0, save_at_tokens=marks), console=QUIET)
-    for step, path in ck.list_checkpoints(cut):
+    for step, path in rundir.list_checkpoints(cut):
         if step > 3:
             shutil.rmtree(path)
-    shutil.rmtree(ck.milestone_dir(cut, marks[1]))
+    shutil.rmtree(rundir.milestone_dir(cut, marks[1]))
     shutil.rmtree(cut / "final")
     resumed = run_train(_cfg(store, cut, save_every=3, keep_last=0, save_at_tokens=marks), console=QUIET)
     assert resumed["resumed_from_step"] == 3
@@ -75,8 +75,8 @@ def test_marks_publish_at_the_first_step_reaching_them_and_resume_exactly(store,
     assert {m: (again[m]["step"], again[m]["tokens_seen"]) for m in marks} == \
         {m: (got[m]["step"], got[m]["tokens_seen"]) for m in marks}
     for m in marks:
-        assert (ck.milestone_dir(cut, m) / "model.safetensors").read_bytes() == \
-            (ck.milestone_dir(ref, m) / "model.safetensors").read_bytes()
+        assert (rundir.milestone_dir(cut, m) / "model.safetensors").read_bytes() == \
+            (rundir.milestone_dir(ref, m) / "model.safetensors").read_bytes()
     assert _seen_by_step(cut)[6] == seen[6]  # the resumed run counts on from the checkpoint's tokens
 
 

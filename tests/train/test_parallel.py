@@ -55,7 +55,7 @@ from safetensors.torch import save_file
 sys.path.insert(0, os.path.dirname(__file__))
 from netdef import Net, data, loss_sum
 from draftport.train import parallel
-from draftport.train import checkpoint
+from draftport.train import resume
 
 info = parallel.init_distributed("cpu")
 torch.manual_seed(0)
@@ -72,7 +72,7 @@ for _ in range(3):
     (local * info.world_size).backward()  # FSDP averages gradients over ranks; undo it
     opt.step()
     losses.append(float(parallel.all_reduce_sum(local.detach().clone(), info)))
-msd, _ = checkpoint.gather_full_state(model, opt)
+msd, _ = resume.gather_full_state(model, opt)
 echo = parallel.broadcast_json({"rank": info.rank, "text": "héllo"} if info.is_main else None, info)
 rngs = parallel.all_gather_rng(torch.get_rng_state(), info)
 if info.is_main:

@@ -40,7 +40,7 @@ import torch
 from rich.console import Console
 from safetensors.torch import load_file
 
-from draftport.train import checkpoint as ck
+from draftport.train import resume, rundir
 from draftport import cli
 from draftport.capture.capture import CaptureConfig, run_capture
 from draftport.data.store import MANIFEST, SHARD_RE, Store
@@ -83,7 +83,7 @@ def train_argv(store, out, *extra) -> list[str]:
 
 
 def state(ckpt_dir) -> dict[str, torch.Tensor]:
-    return load_file(str(Path(ckpt_dir) / ck.RESUME / ck.STATE_TENSORS))
+    return load_file(str(Path(ckpt_dir) / resume.RESUME / resume.STATE_TENSORS))
 
 
 def same_tensors(a: dict, b: dict, prefixes=("model.", "optim.", "rng.")) -> bool:
@@ -302,20 +302,20 @@ def test_train_sigkilled_at_random_points_resumes_to_the_uninterrupted_weights(r
     rc, window, ref_run = timed_run(argv(tmp_path / "ref", "--keep-last", "0"), tmp_path / "ref", "metrics.jsonl",
                                     fork=not full)
     assert rc == 0, ref_run.tail()
-    ref_dir = tmp_path / "ref" / ck.CHECKPOINTS
+    ref_dir = tmp_path / "ref" / rundir.CHECKPOINTS
 
     def remaining(out):
-        latest = ck.latest_checkpoint(out)
+        latest = rundir.latest_checkpoint(out)
         return 1.0 if latest is None else 1 - int(latest.name[5:]) / steps
 
     def after_kill(out):
-        root = out / ck.CHECKPOINTS
+        root = out / rundir.CHECKPOINTS
         names = os.listdir(root) if root.is_dir() else []
-        latest = ck.latest_checkpoint(out)
-        assert ck.unusable_checkpoints(out) == []  # a kill never leaves a damaged step-* directory
+        latest = rundir.latest_checkpoint(out)
+        assert rundir.unusable_checkpoints(out) == []  # a kill never leaves a damaged step-* directory
         if latest is not None:
             assert re.fullmatch(r"step-\d{8}", latest.name)  # never a .tmp- (half-written) directory
-            meta, tensors = ck.read_checkpoint(latest)  # every checksum
+            meta, tensors = resume.read_checkpoint(latest)  # every checksum
             assert same_tensors(tensors, state(ref_dir / latest.name)), latest
         return {"latest": 0 if latest is None else meta["step"],
                 "half_written": sum(n.startswith(".tmp-") for n in names),
@@ -329,12 +329,12 @@ def test_train_sigkilled_at_random_points_resumes_to_the_uninterrupted_weights(r
     ref_final = state(ref_dir / f"step-{steps:08d}")
     ref_metrics = [json.loads(x) for x in open(tmp_path / "ref" / "metrics.jsonl")]
     for out in finished:
-        assert same_tensors(state(out / ck.CHECKPOINTS / f"step-{steps:08d}"), ref_final)  # weights, Adam, RNG: bitwise
+        assert same_tensors(state(out / rundir.CHECKPOINTS / f"step-{steps:08d}"), ref_final)  # weights, Adam, RNG: bitwise
         final = (out / "final" / "model.safetensors").read_bytes()
         assert final == (tmp_path / "ref" / "final" / "model.safetensors").read_bytes()
         metrics = [json.loads(x) for x in open(out / "metrics.jsonl")]
         assert [(r["step"], r.get("loss")) for r in metrics] == [(r["step"], r.get("loss")) for r in ref_metrics]
-        assert not [n for n in os.listdir(out / ck.CHECKPOINTS) if n.startswith((".tmp-", ".trash-"))]
+        assert not [n for n in os.listdir(out / rundir.CHECKPOINTS) if n.startswith((".tmp-", ".trash-"))]
         assert_no_pickle(out)
     killed = [r for r in records if r["killed"]]
     report("train", [f"{'python -m draftport' if full else 'forked'} runs, {len(killed)} SIGKILLs over "
@@ -352,7 +352,7 @@ def test_kill_inside_a_checkpoint_write_never_leaves_a_latest(train_store, tmp_p
     warm_for_fork("gemma3")
     argv = lambda out: train_argv(train_store, out, "--steps", "6", "--save-every", "2")  # noqa: E731
     assert cli.main(argv(tmp_path / "ref")) == 0
-    ref = state(tmp_path / "ref" / ck.CHECKPOINTS / "step-00000006")
+    ref = state(tmp_path / "ref" / rundir.CHECKPOINTS / "step-00000006")
     for stage in ("tensors", "rename"):
         out, flag = tmp_path / stage, tmp_path / f"{stage}.inside"
 
@@ -373,22 +373,22 @@ def test_kill_inside_a_checkpoint_write_never_leaves_a_latest(train_store, tmp_p
 
         with monkeypatch.context() as m:  # the forked child inherits the patch; this process drops it
             if stage == "tensors":
-                m.setattr(ck, "save_file", stop_inside(ck.save_file, half=True))
+                m.setattr(rundir, "save_file", stop_inside(rundir.save_file, half=True))
             else:
-                m.setattr(ck, "atomic_rename_dir", stop_inside(ck.atomic_rename_dir, half=False))
+                m.setattr(rundir, "atomic_rename_dir", stop_inside(rundir.atomic_rename_dir, half=False))
             run = Run(argv(out), tmp_path / f"{stage}.log", fork=True)
         deadline = time.monotonic() + 120
         while not flag.exists() and run.poll() is None and time.monotonic() < deadline:
             time.sleep(0.005)
         assert flag.exists() and run.kill(), run.tail()
-        left = [n for n in os.listdir(out / ck.CHECKPOINTS) if n.startswith(".tmp-step-00000004")]
-        assert left, os.listdir(out / ck.CHECKPOINTS)  # the half-written directory is there ...
-        assert ck.latest_checkpoint(out) == out / ck.CHECKPOINTS / "step-00000002"  # ... and never the latest
+        left = [n for n in os.listdir(out / rundir.CHECKPOINTS) if n.startswith(".tmp-step-00000004")]
+        assert left, os.listdir(out / rundir.CHECKPOINTS)  # the half-written directory is there ...
+        assert rundir.latest_checkpoint(out) == out / rundir.CHECKPOINTS / "step-00000002"  # ... and never the latest
         rerun = Run(argv(out), tmp_path / f"{stage}-rerun.log", fork=True)
         assert rerun.wait() == 0, rerun.tail()
         assert "resuming from" in rerun.log.read_text()
-        assert same_tensors(state(out / ck.CHECKPOINTS / "step-00000006"), ref)
-        assert not [n for n in os.listdir(out / ck.CHECKPOINTS) if n.startswith(".tmp-")]  # the next save cleared it
+        assert same_tensors(state(out / rundir.CHECKPOINTS / "step-00000006"), ref)
+        assert not [n for n in os.listdir(out / rundir.CHECKPOINTS) if n.startswith(".tmp-")]  # the next save cleared it
 
 
 # ---------------------------------------------------------------------------------------------
@@ -404,7 +404,7 @@ def assert_no_pickle(out: Path) -> None:
         if not p.is_file():
             continue
         rel = p.relative_to(out)
-        if rel.parts[0] in (ck.CHECKPOINTS, "final"):
+        if rel.parts[0] in (rundir.CHECKPOINTS, "final"):
             assert p.suffix in (".safetensors", ".json"), rel
         with open(p, "rb") as f:
             assert not f.read(4).startswith(PICKLE_MAGIC), rel
@@ -425,8 +425,8 @@ def finished_run(train_store, tmp_path_factory) -> Path:
 def test_resume_state_holds_no_pickle(finished_run):
     out = finished_run
     assert_no_pickle(out)
-    files = sorted(p.relative_to(out / ck.CHECKPOINTS / "step-00000004").as_posix()
-                   for p in (out / ck.CHECKPOINTS / "step-00000004").rglob("*") if p.is_file())
+    files = sorted(p.relative_to(out / rundir.CHECKPOINTS / "step-00000004").as_posix()
+                   for p in (out / rundir.CHECKPOINTS / "step-00000004").rglob("*") if p.is_file())
     assert files == ["config.json", "model.safetensors", "resume/state.json", "resume/state.safetensors"]
 
 
@@ -445,7 +445,7 @@ def test_flipped_byte_in_a_checkpoint_file_is_a_one_line_error_naming_it(train_s
     for case in ("digit", "bit") if rel.endswith(".json") else ("bit",):
         out = tmp_path / case
         shutil.copytree(finished_run, out)
-        target = out / ck.CHECKPOINTS / "step-00000004" / rel
+        target = out / rundir.CHECKPOINTS / "step-00000004" / rel
         if case == "digit":  # still valid JSON: only a checksum (state.json's own digest) can tell
             text = target.read_text()
             i = rng.choice([m.start() for m in re.finditer(r"\d", text)])
@@ -467,13 +467,13 @@ def test_a_step_dir_without_state_json_is_named_and_the_run_resumes_from_the_one
 
     out = tmp_path / "run"
     shutil.copytree(finished_run, out)
-    (out / ck.CHECKPOINTS / "step-00000004" / ck.RESUME / ck.STATE_JSON).unlink()  # a partial copy
+    (out / rundir.CHECKPOINTS / "step-00000004" / resume.RESUME / resume.STATE_JSON).unlink()  # a partial copy
     buf = io.StringIO()
     s = run_train(TrainConfig(target="tiny-gemma3", data=train_store, out=str(out), steps=4, batch_size=4, ttt_steps=3,
                               lr=0.005, device="cpu", save_every=2), console=Console(file=buf, width=300))
     assert "step-00000004 has no resume/state.json" in buf.getvalue() and s["resumed_from_step"] == 2
-    assert same_tensors(state(out / ck.CHECKPOINTS / "step-00000004"),
-                        state(finished_run / ck.CHECKPOINTS / "step-00000004"))
+    assert same_tensors(state(out / rundir.CHECKPOINTS / "step-00000004"),
+                        state(finished_run / rundir.CHECKPOINTS / "step-00000004"))
 
 
 def test_flipped_byte_in_a_store_shard_stops_training_naming_the_shard(train_store, tmp_path, capsys):
@@ -485,7 +485,7 @@ def test_flipped_byte_in_a_store_shard_stops_training_naming_the_shard(train_sto
     rc = cli.main(train_argv(store, tmp_path / "run", "--steps", "2"))
     line = one_line_error(capsys.readouterr().err)
     assert rc == 2 and str(shard) in line and "sha256" in line, line
-    assert not (tmp_path / "run" / ck.CHECKPOINTS).exists()  # not one step on corrupt data
+    assert not (tmp_path / "run" / rundir.CHECKPOINTS).exists()  # not one step on corrupt data
 
 
 class _Evil:
@@ -624,7 +624,7 @@ def test_nonfinite_loss_skips_the_step_and_reports_it(train_store, tmp_path, mon
     s = run_train(TrainConfig(target="tiny-gemma3", data=train_store, out=str(out), steps=6, batch_size=4, ttt_steps=3,
                               lr=0.005, device="cpu", save_every=1, keep_last=0, device_guard=device_guard),
                   console=Console(file=buf, width=300))
-    sd = {i: state(out / ck.CHECKPOINTS / f"step-{i:08d}") for i in range(1, 7)}
+    sd = {i: state(out / rundir.CHECKPOINTS / f"step-{i:08d}") for i in range(1, 7)}
     for skipped in (3, 5):  # weights and Adam moments (and its step count) exactly as before the step
         assert same_tensors(sd[skipped], sd[skipped - 1], ("model.", "optim."))
     for good in (2, 4, 6):
@@ -657,7 +657,7 @@ def test_device_guard_reads_the_skips_at_log_steps_only(train_store, tmp_path, m
     assert [r["step"] for r in recs if r.get("skipped")] == [1, 2] and s["skipped_steps"] == 2
     assert [r["step"] for r in recs] == sorted(r["step"] for r in recs)
     assert "step 1: loss nan" in " ".join(buf.getvalue().split())
-    steps = [v for k, v in state(out / ck.CHECKPOINTS / "step-00000003").items() if k.startswith("optim.") and
+    steps = [v for k, v in state(out / rundir.CHECKPOINTS / "step-00000003").items() if k.startswith("optim.") and
              k.endswith(".step")]
     assert steps and all(float(v) == 1.0 for v in steps)  # steps 1 and 2 never reached Adam: one update in 3
     monkeypatch.undo()
@@ -667,7 +667,7 @@ def test_device_guard_reads_the_skips_at_log_steps_only(train_store, tmp_path, m
 
     with pytest.raises(DraftportError, match=r"2 steps in a row \(up to step 5\)"):
         run_train(TrainConfig(out=str(out2), max_nonfinite_steps=2, **cfg), console=Console(file=io.StringIO()))
-    assert ck.latest_checkpoint(out2).name == "step-00000003"  # no save after the bad run
+    assert rundir.latest_checkpoint(out2).name == "step-00000003"  # no save after the bad run
 
 
 def test_repeated_nonfinite_losses_stop_with_the_last_checkpoint_intact_and_resumable(train_store, tmp_path,
@@ -678,12 +678,12 @@ def test_repeated_nonfinite_losses_stop_with_the_last_checkpoint_intact_and_resu
     assert cli.main(argv) == 2
     captured = capsys.readouterr()
     line = last_error(captured.err)  # the skipped-step warnings come first
-    good = out / ck.CHECKPOINTS / "step-00000006"
+    good = out / rundir.CHECKPOINTS / "step-00000006"
     assert "3 steps in a row (up to step 7)" in line and str(good) in line and captured.out == ""
-    assert ck.latest_checkpoint(out) == good
-    ck.read_checkpoint(good)  # intact: every checksum holds
+    assert rundir.latest_checkpoint(out) == good
+    resume.read_checkpoint(good)  # intact: every checksum holds
     # saved inside the bad run, it holds the weights of the last good step
-    assert same_tensors(state(good), state(out / ck.CHECKPOINTS / "step-00000004"), ("model.", "optim."))
+    assert same_tensors(state(good), state(out / rundir.CHECKPOINTS / "step-00000004"), ("model.", "optim."))
     monkeypatch.undo()  # the cause is gone: the same command resumes and finishes
     assert cli.main(argv) == 0
     s = json.loads(capsys.readouterr().out)
@@ -776,11 +776,11 @@ def test_disk_full_while_checkpointing_fails_cleanly_and_a_rerun_resumes(train_s
     from safetensors import SafetensorError
 
     assert cli.main(train_argv(train_store, tmp_path / "ref", "--steps", "6", "--save-every", "2")) == 0
-    ref = state(tmp_path / "ref" / ck.CHECKPOINTS / "step-00000006")
+    ref = state(tmp_path / "ref" / rundir.CHECKPOINTS / "step-00000006")
     capsys.readouterr()
-    # the resume tensors (checkpoint.py's save_file), then the engine weights (formats.py imports
+    # the resume tensors (rundir.py's save_file), then the engine weights (formats.py imports
     # safetensors' save_file when it writes), run out of space at the second checkpoint
-    for module in (ck, safetensors.torch):
+    for module in (rundir, safetensors.torch):
         out = tmp_path / module.__name__
         real, calls = module.save_file, [0]
 
@@ -798,8 +798,8 @@ def test_disk_full_while_checkpointing_fails_cleanly_and_a_rerun_resumes(train_s
         monkeypatch.setattr(module, "save_file", real)
         line = last_error(capsys.readouterr().err)  # after the training progress
         assert rc == 2 and "no space left on device while writing checkpoint step 4" in line, line
-        assert sorted(os.listdir(out / ck.CHECKPOINTS)) == ["step-00000002"]  # no half-written directory
-        ck.read_checkpoint(out / ck.CHECKPOINTS / "step-00000002")
+        assert sorted(os.listdir(out / rundir.CHECKPOINTS)) == ["step-00000002"]  # no half-written directory
+        resume.read_checkpoint(out / rundir.CHECKPOINTS / "step-00000002")
         assert cli.main(train_argv(train_store, out, "--steps", "6", "--save-every", "2")) == 0
-        assert same_tensors(state(out / ck.CHECKPOINTS / "step-00000006"), ref)
+        assert same_tensors(state(out / rundir.CHECKPOINTS / "step-00000006"), ref)
     capsys.readouterr()

@@ -40,7 +40,7 @@ import time
 import numpy as np
 import torch
 
-from draftport.train import checkpoint as ckpt
+from draftport.train import resume, rundir
 from draftport.train import parallel
 from draftport.errors import DraftportError, bad_input
 from draftport.train.losses import DEFAULT_DECAY, conditional_hit_counts, simulated_accept_len
@@ -277,12 +277,12 @@ def open_run_dir(cfg: TrainConfig, info) -> tuple[str, dict]:
     run = cfg.resolved(info.device.type, distributed=info.distributed)  # bad values refused before any file
     parallel.rank_slice(run.batch_size, info)  # divisible by the ranks, or a one-line error
     request = request_config(cfg, info.device)  # the flags as given: the run's identity
-    ckpt.check_run_dir(out, request, cfg.restart)
+    rundir.check_run_dir(out, request, cfg.restart)
     parallel.barrier(info)
     if info.is_main:
-        ckpt.start_run_dir(out, request, cfg.restart)
+        rundir.start_run_dir(out, request, cfg.restart)
     parallel.barrier(info)
-    ckpt.seed_everything(cfg.seed + info.rank)
+    resume.seed_everything(cfg.seed + info.rank)
     return out, request
 
 
@@ -327,23 +327,23 @@ def load_samples(cfg: TrainConfig, target, info, B: int, console):
 
 def newest_checkpoint(cfg: TrainConfig, out: str, console):
     """The checkpoint to resume from (None: start fresh), warning about newer ones that are unusable."""
-    latest = None if cfg.restart else ckpt.latest_checkpoint(out)
-    for bad in [] if cfg.restart else ckpt.unusable_checkpoints(out):
+    latest = None if cfg.restart else rundir.latest_checkpoint(out)
+    for bad in [] if cfg.restart else rundir.unusable_checkpoints(out):
         if latest is None or bad.name > latest.name:
             console.print(f"[yellow]warning: {bad} has no resume/state.json (copied in part?); "
                           f"{'resuming from ' + str(latest) if latest else 'starting over'}[/yellow]")
     return latest
 
 
-def resume(latest, model, opt, info, fingerprint: dict, notes: dict):
+def resume_from(latest, model, opt, info, fingerprint: dict, notes: dict):
     """Restore model, optimizer and RNG from `latest` -> (step, notes, initial_val, last metrics, skipped,
     training tokens seen before it)."""
-    meta = ckpt.verify_checkpoint(latest)  # checksums first: a flipped byte is damage, not "other settings"
-    diff = ckpt.config_mismatch(meta.get("config", {}), fingerprint)
+    meta = resume.verify_checkpoint(latest)  # checksums first: a flipped byte is damage, not "other settings"
+    diff = rundir.config_mismatch(meta.get("config", {}), fingerprint)
     if diff:
         raise DraftportError(f"newest checkpoint was trained with other settings ({diff}); rerun with "
                              "--restart to start over, or use another --out", latest)
-    meta = ckpt.restore_training_state(latest, model, opt, info, skip=(EMBED,), verify=False)
+    meta = resume.restore_training_state(latest, model, opt, info, skip=(EMBED,), verify=False)
     return (int(meta["step"]), meta.get("notes", notes), meta.get("initial_val"), meta.get("last_metrics", {}),
             int(meta.get("skipped_steps", 0) or 0), int((meta.get("data") or {}).get("tokens_seen", 0) or 0))
 
@@ -398,13 +398,13 @@ def _run(cfg: TrainConfig, info, target, console) -> dict:
 
     start, initial_val, last, skipped, seen0 = 0, None, {}, 0, 0
     if latest is not None:
-        start, notes, initial_val, last, skipped, seen0 = resume(latest, model, opt, info, fingerprint, notes)
+        start, notes, initial_val, last, skipped, seen0 = resume_from(latest, model, opt, info, fingerprint, notes)
         console.print(f"resuming from {latest} (step {start} of {steps})")
 
     metrics_path = os.path.join(out, "metrics.jsonl")
     writer = None
     if info.is_main:
-        ckpt.keep_metrics(metrics_path, start)
+        rundir.keep_metrics(metrics_path, start)
         from torch.utils.tensorboard import SummaryWriter
         writer = SummaryWriter(os.path.join(out, "tb"), purge_step=start or None)
 
@@ -428,9 +428,9 @@ def _run(cfg: TrainConfig, info, target, console) -> dict:
                               "min_ratio": MIN_LR_RATIO, "next_lr": lr_at(done, steps, peak, warmup)}}
 
         def write_model(d, full_sd):
-            save_drafter(ckpt.export_copy(drafter.spec, full_sd), d, format="sglang", target=target, layers=layers)
+            save_drafter(rundir.export_copy(drafter.spec, full_sd), d, format="sglang", target=target, layers=layers)
 
-        return str(ckpt.save_training_state(out, done, model, opt, info, meta, write_model=write_model,
+        return str(rundir.save_training_state(out, done, model, opt, info, meta, write_model=write_model,
                                             keep_last=run.keep_last, skip=(EMBED,)))
 
     pad_to = 128 if attention == "flex" else 1
@@ -444,7 +444,7 @@ def _run(cfg: TrainConfig, info, target, console) -> dict:
     padded = 0  # B × T summed (before flex attention rounds T up): tokens / padded = the batches' fill
     train_lengths = data.lengths()[np.asarray(train_idx)] if cfg.group_by_length else None
     # --save-at-tokens: the marks still ahead of this run (a resumed run has published the ones behind it)
-    marks = sorted(m for m in set(cfg.save_at_tokens or ()) if not ckpt.is_complete_milestone(out, m))
+    marks = sorted(m for m in set(cfg.save_at_tokens or ()) if not rundir.is_complete_milestone(out, m))
     bad_run = 0  # consecutive skipped steps (non-finite loss or gradient)
     pending: list = []  # (step, loss, gradient norm, skipped flag) of steps whose flag the host has not read
     progress = Progress(TextColumn("training"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
@@ -526,7 +526,7 @@ def _run(cfg: TrainConfig, info, target, console) -> dict:
                 final_path = save(done, epoch, j, seen)
                 while marks and seen >= marks[0]:  # the learning curve's points: engine files, kept for good
                     if info.is_main:
-                        ckpt.publish_milestone(final_path, out, marks[0], seen, done)
+                        rundir.publish_milestone(final_path, out, marks[0], seen, done)
                     marks.pop(0)
             progress.update(task, completed=done)
             if slow:
@@ -535,7 +535,7 @@ def _run(cfg: TrainConfig, info, target, console) -> dict:
         final_path = str(latest)
     final = os.path.join(out, "final")
     if info.is_main:  # <out>/final: the finished drafter, engine files only
-        ckpt.publish_final(final_path, final)
+        rundir.publish_final(final_path, final)
     if writer is not None:
         writer.close()
     seconds = time.perf_counter() - t0
@@ -549,7 +549,7 @@ def _run(cfg: TrainConfig, info, target, console) -> dict:
         "num_train": len(train_idx), "num_val": len(val_idx), "tokens_per_s": last.get("tok_s"),
         "batch_fill": last.get("batch_fill"), "group_by_length": cfg.group_by_length,
         "seconds": seconds, "init_from": cfg.init_from, "skipped_steps": skipped,
-        "milestones": ckpt.list_milestones(out) if cfg.save_at_tokens else None})
+        "milestones": rundir.list_milestones(out) if cfg.save_at_tokens else None})
     if info.is_main:
         atomic_write_json(os.path.join(out, "summary.json"), summary)
     return summary
@@ -557,7 +557,7 @@ def _run(cfg: TrainConfig, info, target, console) -> dict:
 
 def _stop_nonfinite(bad_run: int, at: int, out: str) -> None:
     """The run's end after too many skipped steps in a row: one line naming the last good checkpoint."""
-    good = ckpt.latest_checkpoint(out)
+    good = rundir.latest_checkpoint(out)
     raise DraftportError(
         f"{bad_run} steps in a row (up to step {at}) had a non-finite loss or gradient; stopped. "
         + (f"The last checkpoint {good} is intact: rerun to resume from it" if good else "No checkpoint was written yet")

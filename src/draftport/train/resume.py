@@ -1,20 +1,18 @@
-"""Training checkpoints: atomic, keep-last-N, resumable exactly — safetensors + JSON, never a pickle.
+"""A training run's resume state: weights, optimizer moments and RNG states as safetensors, the rest as JSON —
+never a pickle (torch.distributed.checkpoint is not used: its metadata file is a pickle).
 
-Layout of one checkpoint (`<out>/checkpoints/step-00000100/`):
+One checkpoint's `resume/` folder (train/rundir.py places the checkpoints in the run folder):
 
-    config.json, model.safetensors      what drafter.save_pretrained(format="sglang") writes — an
-                                        engine loads this directory as is
     resume/state.safetensors            fp32 master weights `model.<fqn>`, optimizer moments
                                         `optim.<fqn>.<key>`, RNG states `rng.rank<r>.<device>`
     resume/state.json                   step, data position, config, scheduler, optimizer hyper-
                                         parameters, python/numpy RNG, checksums; written last
 
-The resume files live in a subfolder because SGLang and vLLM load every `*.safetensors` beside
-config.json. A checkpoint is written into `.tmp-step-…` and published by renaming the directory (the
-commit point), so a kill leaves either nothing or a `.tmp-` directory that detection ignores and the
-next save removes. torch.distributed.checkpoint is not used: its metadata file is a pickle.
-Under FSDP2 the full (unsharded) state dicts are gathered on every rank by the
-torch.distributed.checkpoint.state_dict helpers (collectives, no files) and rank 0 writes.
+The resume files live in a subfolder because SGLang and vLLM load every `*.safetensors` beside config.json.
+Every file carries a sha256 in state.json and state.json a digest of itself; `verify_checkpoint` checks both
+and `check_resume_meta` checks the JSON's structure before torch sees a value. Under FSDP2 the full (unsharded)
+state dicts are gathered on every rank by the torch.distributed.checkpoint.state_dict helpers (collectives, no
+files) and rank 0 writes.
 """
 
 from __future__ import annotations
@@ -24,100 +22,27 @@ import json
 import math
 import os
 import random
-import re
-import shutil
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
-from draftport.errors import DraftportError, disk_full, is_disk_full
-from draftport.safeio import atomic_rename_dir, atomic_write_json, read_json, sha256_file
+from draftport.errors import DraftportError
+from draftport.safeio import read_json, sha256_file
 
-CHECKPOINTS = "checkpoints"     # subfolder of --out holding step-* directories
+
 RESUME = "resume"               # subfolder of a checkpoint holding the resume state
+
 STATE_TENSORS = "state.safetensors"
+
 STATE_JSON = "state.json"
+
 FORMAT = "draftport-resume-1"   # bumped if the resume layout ever changes
+
 STATE_DIGEST = "state_sha256"   # state.json's digest of its own content (older checkpoints lack it)
-_STEP_DIR = re.compile(r"^step-(\d{8})$")
-
-
-def checkpoint_dir(out: str | os.PathLike, step: int) -> Path:
-    return Path(out) / CHECKPOINTS / f"step-{step:08d}"
-
-
-# ---------------------------------------------------------------------------------------------
-# detection
-
-
-def is_complete(ckpt: str | os.PathLike) -> bool:
-    """True when the checkpoint was published whole. A checkpoint is written into a `.tmp-` directory,
-    state.json last, and renamed when finished, so a `step-*` directory holding resume/state.json is
-    one a run finished writing. Whether it is still intact (sizes, checksums, state.json itself) is
-    verify_checkpoint's question: a damaged newest checkpoint is an error naming the file, never
-    passed over in silence for an older one."""
-    return (Path(ckpt) / RESUME / STATE_JSON).is_file()
-
-
-def list_checkpoints(out: str | os.PathLike) -> list[tuple[int, Path]]:
-    """Complete checkpoints under `<out>/checkpoints`, oldest first."""
-    root = Path(out) / CHECKPOINTS
-    if not root.is_dir():
-        return []
-    found = []
-    for p in root.iterdir():
-        m = _STEP_DIR.match(p.name)
-        if m and p.is_dir() and is_complete(p):
-            found.append((int(m.group(1)), p))
-    return sorted(found)
-
-
-def unusable_checkpoints(out: str | os.PathLike) -> list[Path]:
-    """`step-*` directories without resume/state.json. A kill never leaves one (a checkpoint is
-    published by renaming its finished temp directory), so these were copied in part or emptied by
-    hand: the trainer names them instead of passing over them in silence."""
-    root = Path(out) / CHECKPOINTS
-    if not root.is_dir():
-        return []
-    return sorted(p for p in root.iterdir() if _STEP_DIR.match(p.name) and p.is_dir() and not is_complete(p))
-
-
-def latest_checkpoint(out: str | os.PathLike) -> Path | None:
-    """The newest complete checkpoint, or None (half-written `.tmp-` directories never count)."""
-    ckpts = list_checkpoints(out)
-    return ckpts[-1][1] if ckpts else None
-
-
-def _remove_dir(path: Path) -> None:
-    """Rename first, then delete: a kill during rmtree leaves a `.trash-` name, never a broken step-*."""
-    trash = path.parent / f".trash-{path.name}-{os.getpid()}"
-    os.replace(path, trash)
-    shutil.rmtree(trash, ignore_errors=True)
-
-
-def prune(out: str | os.PathLike, keep_last: int) -> list[Path]:
-    """Delete all but the newest `keep_last` complete checkpoints and any leftover temp/trash dirs."""
-    root = Path(out) / CHECKPOINTS
-    removed = []
-    if root.is_dir():
-        for p in root.iterdir():
-            if p.name.startswith((".tmp-", ".trash-")) and p.is_dir():
-                shutil.rmtree(p, ignore_errors=True)
-    ckpts = list_checkpoints(out)
-    if keep_last > 0:
-        for _, p in ckpts[:-keep_last]:
-            _remove_dir(p)
-            removed.append(p)
-    return removed
-
-
-# ---------------------------------------------------------------------------------------------
-# state <-> flat tensors + JSON
-
 
 def gather_full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
                       skip: tuple[str, ...] = ()) -> tuple[dict[str, torch.Tensor], dict | None]:
@@ -133,7 +58,6 @@ def gather_full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer |
     msd = {k: v for k, v in get_model_state_dict(model, options=opts).items() if not k.startswith(skip)}
     osd = get_optimizer_state_dict(model, optimizer, options=opts) if optimizer is not None else None
     return msd, osd
-
 
 def load_full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
                     model_sd: dict[str, torch.Tensor], optim_sd: dict | None,
@@ -158,7 +82,6 @@ def load_full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | N
     set_model_state_dict(model, model_sd, options=opts)
     if optimizer is not None and optim_sd is not None:
         set_optimizer_state_dict(model, optimizer, optim_sd, options=opts)
-
 
 def _check_optimizer_state(optim_sd: dict, optimizer: torch.optim.Optimizer, fqns: set[str]) -> None:
     """The saved optimizer state must fit this optimizer: its parameters are the model's, its groups'
@@ -185,7 +108,6 @@ def _check_optimizer_state(optim_sd: dict, optimizer: torch.optim.Optimizer, fqn
                 raise DraftportError(f"resume state's optimizer group {i} has {key}={saved[key]!r}, "
                                      f"expected a value like {value!r}"[:300])
 
-
 def _same_kind(saved: Any, live: Any) -> bool:
     """saved (from JSON) can stand in for live: bool for bool, finite number for number, None or a
     bool for None (torch's foreach / fused: "default" or a choice), equal-length sequences of such."""
@@ -202,7 +124,6 @@ def _same_kind(saved: Any, live: Any) -> bool:
         return isinstance(saved, (int, float)) and not isinstance(saved, bool) and math.isfinite(saved)
     return isinstance(saved, type(live))
 
-
 def flatten_optimizer(osd: dict) -> tuple[dict[str, torch.Tensor], dict]:
     """{"state": {fqn: {key: tensor|number}}, "param_groups": [...]} -> tensors + JSON-able rest."""
     tensors: dict[str, torch.Tensor] = {}
@@ -216,7 +137,6 @@ def flatten_optimizer(osd: dict) -> tuple[dict[str, torch.Tensor], dict]:
     groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()} for g in osd["param_groups"]]
     return tensors, {"param_groups": groups, "scalars": scalars, "fqns": sorted(osd["state"])}
 
-
 def unflatten_optimizer(tensors: dict[str, torch.Tensor], meta: dict) -> dict:
     state: dict[str, dict[str, Any]] = {fqn: dict(meta["scalars"].get(fqn, {})) for fqn in meta["fqns"]}
     for name, val in tensors.items():
@@ -228,14 +148,12 @@ def unflatten_optimizer(tensors: dict[str, torch.Tensor], meta: dict) -> dict:
               for g in meta["param_groups"]]
     return {"state": state, "param_groups": groups}
 
-
 def rng_tensors(rank: int, device: torch.device | None = None) -> dict[str, torch.Tensor]:
     """This process's torch generator states as uint8 tensors (CPU, and its CUDA device if any)."""
     out = {f"rng.rank{rank}.cpu": torch.get_rng_state()}
     if device is not None and device.type == "cuda":
         out[f"rng.rank{rank}.cuda"] = torch.cuda.get_rng_state(device).cpu()
     return out
-
 
 def set_rng_tensors(tensors: dict[str, torch.Tensor], rank: int, device: torch.device | None = None) -> bool:
     """Restore this rank's generators; False when the checkpoint holds no state for this rank
@@ -249,7 +167,6 @@ def set_rng_tensors(tensors: dict[str, torch.Tensor], rank: int, device: torch.d
         torch.cuda.set_rng_state(tensors[ckey].to(torch.uint8), device)
     return True
 
-
 def host_rng_state() -> dict:
     """Python and numpy global RNG states as JSON (draftport draws from neither, but user code may)."""
     v, mt, gauss = random.getstate()
@@ -257,65 +174,15 @@ def host_rng_state() -> dict:
     return {"python": [v, list(mt), gauss],
             "numpy": [name, keys.tolist(), int(pos), int(has_gauss), float(cached)]}
 
-
 def set_host_rng_state(state: dict) -> None:
     v, mt, gauss = state["python"]
     random.setstate((v, tuple(mt), gauss))
     name, keys, pos, has_gauss, cached = state["numpy"]
     np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
 
-
-# ---------------------------------------------------------------------------------------------
-# write / read
-
-
-def _fsync_file(path: Path) -> None:
+def fsync_file(path: Path) -> None:
     with open(path, "rb") as f:
         os.fsync(f.fileno())
-
-
-def write_checkpoint(out: str | os.PathLike, step: int, *, tensors: dict[str, torch.Tensor], meta: dict,
-                     write_model: Callable[[Path], None] | None = None, keep_last: int = 0) -> Path:
-    """Write one checkpoint atomically and prune old ones (call on rank 0 only).
-
-    tensors: flat resume tensors (`model.*`, `optim.*`, `rng.*`); meta: JSON-able resume state;
-    write_model(dir): writes the engine-loadable drafter files (config.json + weights) into dir.
-    """
-    final = checkpoint_dir(out, step)
-    tmp = final.parent / f".tmp-{final.name}-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    (tmp / RESUME).mkdir(parents=True)
-    try:
-        if write_model is not None:
-            write_model(tmp)
-        state_path = tmp / RESUME / STATE_TENSORS
-        save_file({k: v.detach().contiguous() for k, v in tensors.items()}, str(state_path),
-                  metadata={"format": FORMAT, "step": str(step)})
-        files = {}
-        for p in sorted(tmp.rglob("*")):
-            if p.is_file():
-                _fsync_file(p)
-                rel = p.relative_to(tmp).as_posix()
-                # every file is checksummed: a flipped byte in the engine files would reach <out>/final
-                files[rel] = {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
-        body = dict(meta, format=FORMAT, step=step, files=files, complete=True)
-        body[STATE_DIGEST] = state_digest(body)
-        meta_path = tmp / RESUME / STATE_JSON
-        meta_path.write_text(json.dumps(body, indent=1) + "\n", "utf-8")
-        _fsync_file(meta_path)
-        if final.exists():  # same step written again (e.g. a rerun after --restart): replace it
-            _remove_dir(final)
-        atomic_rename_dir(str(tmp), str(final))
-    except BaseException as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if is_disk_full(exc):  # the previous checkpoints are untouched: a rerun resumes from the newest
-            raise disk_full(final, f"checkpoint step {step}") from exc
-        raise
-    if keep_last:
-        prune(out, keep_last)
-    return final
-
 
 def state_digest(meta: dict) -> str | None:
     """sha256 of state.json's content (canonical JSON, without the digest itself): state.json lists
@@ -326,7 +193,6 @@ def state_digest(meta: dict) -> str | None:
     except (ValueError, RecursionError):
         return None
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
-
 
 def verify_checkpoint(ckpt: str | os.PathLike, checksums: bool = True) -> dict:
     """A checkpoint's state.json, once it has passed every check: it parses and says complete, its own
@@ -357,7 +223,6 @@ def verify_checkpoint(ckpt: str | os.PathLike, checksums: bool = True) -> dict:
             raise DraftportError(f"checksum mismatch ({fix})", path)
     return meta
 
-
 def read_checkpoint(ckpt: str | os.PathLike, verify: bool = True) -> tuple[dict, dict[str, torch.Tensor]]:
     """(meta, tensors) of a checkpoint's resume state, through verify_checkpoint (checksums only
     with `verify`: a caller that already verified it passes False)."""
@@ -370,14 +235,11 @@ def read_checkpoint(ckpt: str | os.PathLike, verify: bool = True) -> tuple[dict,
         raise DraftportError(f"unreadable safetensors ({' '.join(str(exc).split())})", state_path)
     return meta, tensors
 
-
 def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
-
 def _words(x: Any, n: int) -> bool:
     return isinstance(x, list) and len(x) == n and all(_is_int(w) and 0 <= w < 2**32 for w in x)
-
 
 def _host_rng_ok(state: Any) -> bool:
     """The python / numpy generator states host_rng_state writes (Mersenne Twister, 624 words)."""
@@ -391,7 +253,6 @@ def _host_rng_ok(state: Any) -> bool:
             and name == "MT19937" and _words(keys, 624) and _is_int(pos) and 0 <= pos <= 624
             and has_gauss in (0, 1) and not isinstance(has_gauss, bool)
             and isinstance(cached, (int, float)) and not isinstance(cached, bool))
-
 
 def check_resume_meta(meta: dict, where: str | os.PathLike) -> None:
     """The resume JSON has the shape restore and train/loop.py rely on; else one line naming the key.
@@ -422,14 +283,12 @@ def check_resume_meta(meta: dict, where: str | os.PathLike) -> None:
     if "host_rng" in meta and not _host_rng_ok(meta["host_rng"]):
         raise bad("'host_rng' is not a python/numpy generator state")
 
-
 def split_state(tensors: dict[str, torch.Tensor], meta: dict) -> tuple[dict[str, torch.Tensor], dict]:
     """Resume tensors -> (model state dict, optimizer state dict) for load_full_state."""
     model_sd = {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}
     optim_sd = unflatten_optimizer({k: v for k, v in tensors.items() if k.startswith("optim.")},
                                    meta["optimizer"])
     return model_sd, optim_sd
-
 
 def pack_state(model_sd: dict[str, torch.Tensor], optim_sd: dict) -> tuple[dict[str, torch.Tensor], dict]:
     """(model state dict, optimizer state dict) -> flat tensors + the optimizer's JSON part."""
@@ -438,86 +297,12 @@ def pack_state(model_sd: dict[str, torch.Tensor], optim_sd: dict) -> tuple[dict[
     tensors.update(otensors)
     return tensors, ometa
 
-
-# ---------------------------------------------------------------------------------------------
-# a training run's directory: its flags, a restart, the whole-state save of a (sharded) model
-
-RUN_FILE = "run.json"   # the flags a run was started with: a rerun with other flags is refused
-RUN_FILES = ("metrics.jsonl", "summary.json", RUN_FILE)
-RUN_DIRS = (CHECKPOINTS, "tb", "final")
-
-
-def config_mismatch(old: dict, new: dict) -> str | None:
-    """'key: old now new' for the first key (sorted) whose value differs, else None."""
-    if not isinstance(old, dict):  # a hand-edited or foreign file: a difference, not a crash
-        return f"the recorded settings are a JSON {type(old).__name__}, not an object"
-    for key in sorted(set(old) | set(new)):
-        if old.get(key) != new.get(key):
-            return f"{key}: {old.get(key)!r} now {new.get(key)!r}"
-    return None
-
-
-def check_run_dir(out: str | os.PathLike, request: dict, restart: bool) -> None:
-    """Refuse to continue a run that was started with other flags (every rank calls this)."""
-    run_file = Path(out) / RUN_FILE
-    if not restart and run_file.is_file():
-        diff = config_mismatch(read_json(run_file), request)
-        if diff:
-            raise DraftportError(f"holds a training run with other settings ({diff}); rerun with --restart to "
-                                 "start over, or use another --out", out)
-
-
-def start_run_dir(out: str | os.PathLike, request: dict, restart: bool) -> None:
-    """Rank 0: --restart deletes this run's files (and nothing else in --out); record the flags."""
-    from draftport.safeio import atomic_write_json
-
-    out = Path(out)
-    if restart:
-        for name in RUN_DIRS:
-            shutil.rmtree(out / name, ignore_errors=True)
-        for name in RUN_FILES:
-            if (out / name).exists():
-                (out / name).unlink()
-    atomic_write_json(out / RUN_FILE, request)
-
-
-def keep_metrics(path: str | os.PathLike, upto_step: int) -> None:
-    """Keep the metrics.jsonl lines of steps ≤ upto_step (a resumed run rewrites what follows)."""
-    from draftport.safeio import atomic_write_bytes, iter_jsonl
-
-    kept = [rec for _, rec in iter_jsonl(path) if rec.get("step", 0) <= upto_step] \
-        if upto_step and os.path.isfile(path) else []
-    atomic_write_bytes(path, "".join(json.dumps(r) + "\n" for r in kept).encode())
-
-
 def seed_everything(seed: int) -> None:
     """torch seeds its default generator randomly in every process: seed it (and python, numpy) so
     that two runs of one command hold the same RNG states, which resume then restores."""
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
-
-
-def save_training_state(out: str | os.PathLike, step: int, model, optimizer, info, meta: dict, *,
-                        write_model: Callable[[Path, dict], None] | None, keep_last: int,
-                        skip: tuple[str, ...] = ()) -> Path:
-    """Collective: gather the full model / optimizer state and every rank's RNG, rank 0 writes the
-    checkpoint (write_model(dir, full model state) adds the engine files), all ranks wait for it."""
-    from draftport.train import parallel
-
-    full_sd, full_osd = gather_full_state(model, optimizer, skip=skip)
-    rngs = {"cpu": parallel.all_gather_rng(torch.get_rng_state(), info)}
-    if info.device.type == "cuda":
-        rngs["cuda"] = parallel.all_gather_rng(torch.cuda.get_rng_state(info.device), info)
-    if info.is_main:
-        tensors, ometa = pack_state(full_sd, full_osd)
-        tensors.update({f"rng.rank{r}.{kind}": t for kind, ts in rngs.items() for r, t in enumerate(ts)})
-        body = dict(meta, optimizer=ometa, host_rng=host_rng_state(), world_size=info.world_size)
-        wm = None if write_model is None else (lambda d: write_model(d, full_sd))
-        write_checkpoint(out, step, tensors=tensors, meta=body, write_model=wm, keep_last=keep_last)
-    parallel.barrier(info)
-    return checkpoint_dir(out, step)
-
 
 def restore_training_state(ckpt: str | os.PathLike, model, optimizer, info, skip: tuple[str, ...] = (),
                            verify: bool = True) -> dict:
@@ -533,75 +318,3 @@ def restore_training_state(ckpt: str | os.PathLike, model, optimizer, info, skip
     set_rng_tensors(tensors, info.rank, info.device)
     set_host_rng_state(meta["host_rng"])
     return meta
-
-
-def publish_final(ckpt: str | os.PathLike, dest: str | os.PathLike) -> Path:
-    """Copy a checkpoint's engine files (not resume/) to `dest` (e.g. <out>/final), atomically."""
-    ckpt, dest = Path(ckpt), Path(dest)
-    tmp = dest.parent / f".tmp-{dest.name}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    for p in ckpt.iterdir():
-        if p.is_file():
-            shutil.copy2(p, tmp / p.name)
-            _fsync_file(tmp / p.name)
-    if dest.exists():
-        _remove_dir(dest)
-    atomic_rename_dir(str(tmp), str(dest))
-    return dest
-
-
-MILESTONES = "at-tokens"  # <out>/at-tokens/<N>/: the drafter published once N training tokens were seen
-
-
-def milestone_dir(out: str | os.PathLike, mark: int) -> Path:
-    return Path(out) / MILESTONES / str(int(mark))
-
-
-def is_complete_milestone(out: str | os.PathLike, mark: int) -> bool:
-    return (milestone_dir(out, mark) / "milestone.json").is_file()
-
-
-def list_milestones(out: str | os.PathLike) -> list[dict]:
-    """The published milestones, by mark: milestone.json's fields plus "path"."""
-    root = Path(out) / MILESTONES
-    found = []
-    for d in sorted(root.iterdir(), key=lambda p: int(p.name) if p.name.isdigit() else -1) if root.is_dir() else []:
-        if d.name.isdigit() and (d / "milestone.json").is_file():
-            found.append({**read_json(str(d / "milestone.json")), "path": str(d)})
-    return found
-
-
-def publish_milestone(ckpt: str | os.PathLike, out: str | os.PathLike, mark: int, seen: int, step: int) -> Path:
-    """Copy a checkpoint's engine files to <out>/at-tokens/<mark>/ with milestone.json (the mark, the tokens
-    really seen — the first step at or past the mark — and the step): a learning curve's point, outside
-    the checkpoints that keep_last prunes."""
-    dest = publish_final(ckpt, milestone_dir(out, mark))
-    atomic_write_json(str(dest / "milestone.json"), {"mark_tokens": int(mark), "tokens_seen": int(seen), "step": int(step)})
-    return dest
-
-
-def fold_aux_scale(fc_weight: torch.Tensor, inv_scale: torch.Tensor) -> torch.Tensor:
-    """fc's weight [H, n·Ht] for raw aux states, from one trained on aux · inv_scale (per column): in fp32,
-    so the fold adds no rounding before the serving dtype's."""
-    return fc_weight.float() * inv_scale.float().to(fc_weight.device)[None, :]
-
-
-def export_copy(spec, state: dict[str, torch.Tensor]):
-    """A bf16 CPU Eagle3Drafter holding a full (gathered) state, for formats.save_drafter."""
-    from torch import nn
-
-    from draftport.model.drafter import Eagle3Drafter
-
-    exp = Eagle3Drafter(spec, device="meta")
-    exp.embed_tokens.weight = nn.Parameter(torch.empty(0, spec.hidden_size), requires_grad=False)  # not saved
-    exp.to_empty(device="cpu")
-    sd = {k[len("drafter."):]: v for k, v in state.items() if k.startswith("drafter.")}
-    if "aux_inv_scale" in state:  # train --aux-scale: fc(x · s) = (W · s) x, so the saved fc reads raw aux states
-        sd["fc.weight"] = fold_aux_scale(sd["fc.weight"], state["aux_inv_scale"])
-    missing, unexpected = exp.load_state_dict(sd, strict=False)
-    if [m for m in missing if not m.startswith("embed_tokens.")] or unexpected:
-        raise DraftportError(f"internal: export state mismatch ({missing[:3]}, {unexpected[:3]})")
-    exp.to(torch.bfloat16)  # serving dtype; d2t / t2d stay integer / bool
-    exp.embedding_source = "target"
-    return exp
