@@ -502,7 +502,7 @@ def _drafter_dir(d: Path, weights: bool) -> Path:
     """An SGLang-layout drafter for tiny-gemma3, with or without its model.safetensors."""
     from draftport.model.drafter import Eagle3Drafter
     from draftport.model.target import tiny_target
-    from draftport.train.loop import drafter_config
+    from draftport.train.warm_start import drafter_config
 
     tg = tiny_target("gemma3")
     save_drafter(Eagle3Drafter.from_config(drafter_config(tg, [2, 4, 5], tg.vocab_size, 64), seed=3), 

@@ -175,7 +175,7 @@ def _sglang_drafter(tmp_path, store, seed=3):
     """An SGLang-layout drafter for the tiny target with a non-trivial vocab mapping (Vd = 64)."""
     from draftport.model.drafter import Eagle3Drafter
     from draftport.model.target import tiny_target
-    from draftport.train.loop import drafter_config
+    from draftport.train.warm_start import drafter_config
 
     tg = tiny_target("gemma3")
     d = Eagle3Drafter.from_config(drafter_config(tg, [2, 4, 5], tg.vocab_size, 64), seed=seed)

@@ -10,8 +10,11 @@ cross-entropy over positions that are masked in and whose target argmax has a dr
 the number of such positions in the GLOBAL batch (all ranks), so N ranks with B/N samples each
 compute the one-process step on B samples; total = Σ 0.8^i · loss_i.
 
+The run reads top to bottom in `_run`: `open_run_dir` → `build_trainer` (samples, drafter, TTT model,
+optimizer) → `resume_from` → the loop over `train_step` (logging, validation, checkpoints) → the summary.
+
 Runs are resumable: every --save-every steps (and at the end) a checkpoint is written that SGLang
-loads as is, with the exact resume state in its resume/ folder (checkpoint.py). Rerunning the same
+loads as is, with the exact resume state in its resume/ folder (train/rundir.py, train/resume.py). Rerunning the same
 command continues from the newest complete checkpoint (model, optimizer, schedule, RNG, data
 position); --restart starts over; a different config is refused. The batch of step s is a pure
 function of (seed, s) (parallel.epoch_batch), so the data position is the step. The finished
@@ -25,8 +28,7 @@ CE are one fused op over row chunks that computes its gradients in the forward (
 so no step keeps [B, T, Vd] logits; nothing in a step waits for the host but the logging, validation
 and checkpoint steps: a NaN/Inf step is skipped, never applied, and on one CUDA process that decision is
 made on the device by fused AdamW (guarded_update), the host reading the flags at the logging steps
-(with several ranks, one host read a step). On the
-CPU the target head (262k columns for Gemma) runs only over masked rows and is cached per sample.
+(with several ranks, one host read a step). On the CPU the target head (262k columns for Gemma) runs only over masked rows and is cached per sample.
 """
 
 from __future__ import annotations
@@ -36,20 +38,31 @@ import json
 import math
 import os
 import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import numpy as np
 import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from torch.utils.tensorboard import SummaryWriter
 
-from draftport.train import resume, rundir
-from draftport.train import parallel
+from draftport.capture.capture import (DEFAULT_BATCH, DEFAULT_MAX_LEN, REGEN_FILE, REGEN_KEYS, REQUEST_KEYS,
+                                       regenerate_into)
+from draftport.check.layers import validate_aux_ids
+from draftport.data.conversations import check_data_source, load_conversations, split_train_val
 from draftport.errors import DraftportError, bad_input
-from draftport.train.losses import DEFAULT_DECAY, conditional_hit_counts, simulated_accept_len
-from draftport.safeio import atomic_write_json
+from draftport.model.formats import save_drafter
 from draftport.model.target import load_target
+from draftport.safeio import atomic_write_json, default_out
+from draftport.train import parallel, resume, rundir
 from draftport.train.config import TrainConfig
+from draftport.train.losses import DEFAULT_DECAY, accuracies_from_counts, conditional_hit_counts, simulated_accept_len
+from draftport.train.parallel import DistInfo
 from draftport.train.samples import HeadCache, Samples, aux_inv_scale, ttt_inputs
 from draftport.train.ttt import TTTModel, enable_activation_checkpointing
-from draftport.model.formats import save_drafter
+from draftport.train.warm_start import build_drafter
 
 EMBED = "drafter.embed_tokens."   # FQN prefix of the frozen target embedding: never checkpointed
 MIN_LR_RATIO = 0.1                # cosine decays to 10 % of the peak learning rate
@@ -80,105 +93,6 @@ def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
 
 
 # ---------------------------------------------------------------------------------------------
-# the drafter
-
-
-def drafter_config(target, layers: list[int], vocab_size: int, draft_vocab_size: int,
-                   intermediate_size: int | None = None) -> dict:
-    """SGLang LlamaForCausalLMEagle3 config of a fresh drafter shaped after the target (MLP width: the target's
-    unless `intermediate_size` is given)."""
-    from draftport.check.layers import engine_aux_ids
-
-    s = target.spec
-    width = intermediate_size or s.intermediate_size or 4 * target.hidden_size
-    return {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
-            "hidden_size": target.hidden_size, "intermediate_size": width,
-            "num_attention_heads": s.num_attention_heads, "num_key_value_heads": s.num_key_value_heads,
-            "head_dim": s.head_dim, "num_hidden_layers": 1, "vocab_size": vocab_size,
-            "draft_vocab_size": draft_vocab_size, "rms_norm_eps": 1e-6,
-            "rope_theta": s.rope_theta or 10000.0, "max_position_embeddings": s.max_position_embeddings or 2048,
-            "hidden_act": "silu",  # SGLang's Llama MLP is SiLU only, whatever the target uses
-            "tie_word_embeddings": False, "torch_dtype": "bfloat16",
-            "eagle_config": {"use_aux_hidden_state": True,
-                             "eagle_aux_hidden_state_layer_ids": engine_aux_ids(layers, s, "sglang")},
-            "draftport": {"trained_layers": layers, "target_architecture": s.architecture,
-                          "target_model_type": s.model_type, "target_num_layers": target.num_layers}}
-
-
-def build_drafter(cfg: TrainConfig, target, data: "Samples", train_idx, console, resuming: bool, device):
-    """-> (fp32 drafter on `device` with the target's embedding, aux layers, notes). Vocab from the data unless kept from --init-from."""
-    from draftport.model.drafter import Eagle3Drafter
-    from draftport.check.layers import resolve_aux_layers
-    from draftport.model.vocab import VocabMap, build_draft_vocab, remap_lm_head
-
-    V, notes = target.vocab_size, {}
-    if cfg.init_from:
-        from draftport.model.formats import load_drafter
-
-        drafter, report = load_drafter(cfg.init_from, dtype=torch.float32)
-        if report.not_read:  # e.g. SpecForge's training_state.pt: a pickle, and optimizer state besides
-            console.print(f"not opened: {', '.join(os.path.basename(p) for p in report.not_read)} (a pickle; the "
-                          "warm start takes the weights only and begins a fresh optimizer)")
-        if report.missing:
-            console.print(f"[yellow]warning: {cfg.init_from} lacks {', '.join(report.missing[:6])}; "
-                          "those start from a fresh init[/yellow]")
-        spec = drafter.spec
-        if spec.vocab_size != V or spec.target_hidden_size != target.hidden_size:
-            raise bad_input(cfg.init_from, f"drafter expects vocab {spec.vocab_size} / aux width "
-                                           f"{spec.target_hidden_size}, the target has {V} / {target.hidden_size}")
-        layers = resolve_aux_layers(spec, target.spec).layers
-        if cfg.aux_layers is not None and list(cfg.aux_layers) != layers:
-            raise DraftportError(f"--aux-layers {cfg.aux_layers} differ from the layers {layers} {cfg.init_from} "
-                                 "is fed on this target")
-        if cfg.remap_vocab and not resuming:
-            old = VocabMap.from_d2t(drafter.d2t, V, cfg.init_from)
-            new = build_draft_vocab(data.token_counts(train_idx, V), cfg.draft_vocab_size or spec.draft_vocab_size)
-            head = target.lm_head_weight if target.hidden_size == spec.hidden_size else None
-            weight = remap_lm_head(drafter.lm_head.weight.detach(), old, new,
-                                   None if head is None else head.detach().float().cpu())
-            if new.draft_vocab_size != spec.draft_vocab_size:
-                sd = {k: v for k, v in drafter.state_dict().items() if k not in ("lm_head.weight", "d2t")}
-                drafter = Eagle3Drafter(dataclasses.replace(spec, draft_vocab_size=new.draft_vocab_size))
-                drafter.load_state_dict(sd, strict=False)
-            with torch.no_grad():
-                drafter.lm_head.weight.copy_(weight)
-            drafter.set_vocab_mapping(new.d2t, new.t2d)
-            notes["vocab"] = f"new mapping from the data ({new.draft_vocab_size} rows, lm_head remapped)"
-            notes["vocab_filled"] = new.filled
-        elif cfg.draft_vocab_size is not None and cfg.draft_vocab_size != spec.draft_vocab_size:
-            raise DraftportError(f"--draft-vocab-size {cfg.draft_vocab_size} differs from {cfg.init_from}'s "
-                                 f"{spec.draft_vocab_size}; add --remap-vocab to build a new mapping")
-        else:
-            notes["vocab"] = f"kept from {cfg.init_from}"
-    else:
-        # a fresh drafter reads what the store captured (or --aux-layers; a mismatch is refused below)
-        explicit = cfg.aux_layers if cfg.aux_layers is not None else data.aux_layers
-        layers = resolve_aux_layers(None, target.spec, explicit).layers
-        Vd = cfg.draft_vocab_size or min(32000, V)
-        drafter = Eagle3Drafter.from_config(drafter_config(target, layers, V, Vd, cfg.draft_intermediate_size),
-                                            seed=cfg.seed, dtype=torch.float32)
-        if not resuming:  # on resume d2t / t2d come back with the weights
-            vm = build_draft_vocab(data.token_counts(train_idx, V), Vd)
-            drafter.set_vocab_mapping(vm.d2t, vm.t2d)
-            if cfg.lm_head_from_target and target.hidden_size == drafter.spec.hidden_size:
-                with torch.no_grad():  # the drafter's output plays the target's last hidden: start from its head
-                    drafter.lm_head.weight.copy_(target.lm_head_weight.detach()[vm.used.to(target.device)].float())
-            notes["vocab"] = "built from the training data"
-            notes["vocab_filled"] = vm.filled
-            if vm.filled:
-                console.print(f"the data holds {Vd - vm.filled} distinct tokens under the loss mask; the draft "
-                              f"vocab of {Vd} is filled with the {vm.filled} smallest unused ids")
-    if data.aux_layers is not None and data.aux_layers != layers:
-        raise bad_input(cfg.data, f"the store holds aux layers {data.aux_layers} but the drafter is fed {layers} "
-                                  f"on this target; capture again with --aux-layers {','.join(map(str, layers))}")
-    if cfg.draft_vocab_size is not None and not 1 <= cfg.draft_vocab_size <= V:
-        raise DraftportError(f"--draft-vocab-size {cfg.draft_vocab_size} must lie in [1, {V}]")
-    drafter.to(device)
-    drafter.set_embedding(target.embed_weight)  # after the move: shared, not copied, when dtypes agree
-    return drafter, layers, notes
-
-
-# ---------------------------------------------------------------------------------------------
 # the run
 
 
@@ -187,7 +101,6 @@ def request_config(cfg: TrainConfig, device: torch.device) -> dict:
     skip = {"out", "restart", "json", "val_every", "save_every", "keep_last", "save_at_tokens", "log_every",
             "val_max_samples", "max_nonfinite_steps", "compile"}  # compile: the same weights either way
     if not cfg.regenerate:  # regeneration settings decide nothing then (and checkpoints without them resume)
-        from draftport.capture.capture import REGEN_KEYS
         skip |= {"regenerate", *REGEN_KEYS}
     if not cfg.group_by_length:  # off decides nothing new (and checkpoints without the key resume)
         skip.add("group_by_length")
@@ -205,25 +118,22 @@ def request_config(cfg: TrainConfig, device: torch.device) -> dict:
 
 
 @torch.no_grad()
-def validate(model, data: "Samples", val_idx, layers, target, k: int, B: int, info, device, amp,
-             cache=None) -> dict:
+def validate(t: "Trainer") -> dict:
     """Held-out loss, per-step accuracy (unconditional and conditional) and simulated τ."""
-    from draftport.train.losses import accuracies_from_counts
-
-    t2d = model.drafter.t2d
+    k, B, info, device, model = t.k, t.B, t.info, t.info.device, t.model
     tot = torch.zeros(7, k, dtype=torch.float64)  # loss sums, valid, hits, masked, cond hits, cond totals, -
-    for a in range(0, len(val_idx), B):
-        chunk = val_idx[a:a + B]
+    for a in range(0, len(t.val_idx), B):
+        chunk = t.val_idx[a:a + B]
         mine = list(np.array_split(np.asarray(chunk), info.world_size)[info.rank])
-        batch = data.batch(mine or chunk[:1], layers)  # every rank must run the (collective) forward
+        batch = t.data.batch(mine or chunk[:1], t.layers)  # every rank must run the (collective) forward
         if not mine:
             batch["loss_mask"] = torch.zeros_like(batch["loss_mask"])
-        inp = ttt_inputs(batch, target, t2d, k, device, info, 128 if model.attention == "flex" else 1,
-                         keys=mine or None, cache=cache)
+        inp = ttt_inputs(batch, t.target, model.drafter.t2d, k, device, info, t.pad_to, keys=mine or None,
+                         cache=t.cache)
         if info.is_main:  # already global: count it once before the sum over ranks below
             tot[1] += inp["counts"].double().cpu()
         inp["counts"] = torch.ones(k, dtype=torch.long, device=device)  # → per-step loss sums
-        with amp():
+        with t.amp():
             _, stats, hits, masks = model(**inp, with_hits=True)
         ch, ct = conditional_hit_counts(hits, masks)
         tot[0] += stats[0].double().cpu()
@@ -252,8 +162,6 @@ def run_train(cfg: TrainConfig, target=None, console=None) -> dict:
     """The whole verb; returns the summary (also written to <out>/summary.json). `target`: an already
     loaded HFTarget to use instead of loading --target (its name is still what the run records)."""
     if cfg.aux_layers is not None:  # engines feed the fc unique layers in ascending order
-        from draftport.check.layers import validate_aux_ids
-
         validate_aux_ids(cfg.aux_layers, None, "--aux-layers")
     info = parallel.init_distributed(cfg.device)
     try:
@@ -266,12 +174,10 @@ def open_run_dir(cfg: TrainConfig, info) -> tuple[str, dict]:
     """-> (the run directory, the run's identity). Made on every rank as one directory even without
     --out; a run started with other flags is refused unless --restart; every rank seeded."""
     if cfg.out is None:
-        from draftport.safeio import default_out
         cfg = dataclasses.replace(cfg, out=default_out("train"))
     out = parallel.broadcast_json(os.path.abspath(cfg.out), info)
     if os.path.exists(out) and not os.path.isdir(out):
         raise bad_input(out, "--out exists and is not a directory")
-    from draftport.data.conversations import check_data_source
     check_data_source(cfg.data)  # bad data fails now: before the folder, its run.json and the target's load
     os.makedirs(out, exist_ok=True)
     run = cfg.resolved(info.device.type, distributed=info.distributed)  # bad values refused before any file
@@ -292,9 +198,6 @@ def regenerated_data(cfg: TrainConfig, out: str, request: dict, target, info, co
     <out>/regenerated.jsonl; returns the config pointing there. Without: cfg unchanged."""
     if not cfg.regenerate:
         return cfg
-    from draftport.data.conversations import load_conversations
-    from draftport.capture.capture import DEFAULT_BATCH, DEFAULT_MAX_LEN, REGEN_FILE, REQUEST_KEYS, regenerate_into
-
     if Samples.is_store(cfg.data):
         raise bad_input(cfg.data, "--regenerate needs conversations or prompts, not a capture store")
     path = os.path.join(out, REGEN_FILE)
@@ -314,8 +217,6 @@ def regenerated_data(cfg: TrainConfig, out: str, request: dict, target, info, co
 
 def load_samples(cfg: TrainConfig, target, info, B: int, console):
     """-> (Samples, train indices, validation indices), the store's checksums verified first."""
-    from draftport.data.conversations import split_train_val
-
     data = Samples(cfg.data, target, console, max_samples=cfg.max_samples, max_len=cfg.max_len,
                    chat_template=cfg.chat_template)
     data.verify(info)  # a store's shards against their sha256, before a step trains on them
@@ -348,29 +249,61 @@ def resume_from(latest, model, opt, info, fingerprint: dict, notes: dict):
             int(meta.get("skipped_steps", 0) or 0), int((meta.get("data") or {}).get("tokens_seen", 0) or 0))
 
 
-def _run(cfg: TrainConfig, info, target, console) -> dict:
-    from contextlib import nullcontext
+@dataclass
+class Trainer:
+    """What every step of a run reads, built once by `build_trainer`."""
+    cfg: TrainConfig
+    info: DistInfo
+    out: str
+    target: Any
+    data: Samples
+    train_idx: list
+    val_idx: list
+    layers: list[int]
+    drafter: Any               # the Eagle3Drafter inside `model`
+    model: TTTModel
+    opt: torch.optim.Optimizer
+    params: list
+    amp: Callable              # the autocast context of a step (or a null one)
+    cache: HeadCache           # the target head's outputs per sample (online and CPU runs)
+    k: int                     # TTT steps
+    B: int                     # global batch (samples)
+    steps: int
+    peak: float                # peak learning rate
+    warmup: int
+    device_guard: bool         # the NaN/Inf skip decided on the device (guarded_update)
+    keep_last: int
+    fingerprint: dict          # what a checkpoint must match to be resumed
+    notes: dict                # how the drafter started (vocab), kept in every checkpoint
+    lengths: Any = None        # training samples' lengths, for length-grouped batches
 
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+    @property
+    def pad_to(self) -> int:
+        return 128 if self.model.attention == "flex" else 1
 
-    console = console or Console(stderr=True)
-    if not info.is_main:
-        console = Console(stderr=True, quiet=True)
-    out, request = open_run_dir(cfg, info)
+
+@dataclass
+class Step:
+    loss: torch.Tensor         # 0-dim, the k steps' weighted loss (global)
+    stats: torch.Tensor        # per-step loss sums and accuracy counts (this rank's)
+    grad_norm: torch.Tensor    # 0-dim, global, before clipping
+    skipped: torch.Tensor      # 0-dim bool: not finite, so no update was applied
+    lr: float
+    epoch: int
+    batch_in_epoch: int
+    tokens: int                # real tokens in this rank's batch
+    padded: int                # this rank's batch as padded (B × T)
+
+
+def build_trainer(cfg: TrainConfig, info, out: str, request: dict, target, latest, console) -> Trainer:
+    """The samples, the drafter (fresh or warm-started), its TTT model under FSDP2 or autocast, the optimizer."""
     dev = info.device
     run = cfg.resolved(dev.type, distributed=info.distributed)  # the defaults; steps once the data is known
-    dtype, B, k = run.dtype, run.batch_size, run.ttt_steps
-    if target is None:
-        with console.status(f"loading target {cfg.target}"):
-            target = load_target(cfg.target, device=dev, dtype=dtype, trust_remote_code=cfg.trust_remote_code)
+    dtype, B = run.dtype, run.batch_size
     data_cfg = regenerated_data(cfg, out, request, target, info, console)
     data, train_idx, val_idx = load_samples(data_cfg, target, info, B, console)
-    latest = newest_checkpoint(cfg, out, console)
     drafter, layers, notes = build_drafter(cfg, target, data, train_idx, console, latest is not None, dev)
     run = cfg.resolved(dev.type, distributed=info.distributed, num_train=len(train_idx))
-    steps, peak, attention = run.steps, run.lr, run.attention
-    warmup = max(1, round(cfg.warmup_ratio * steps))
     if cfg.activation_checkpointing:
         enable_activation_checkpointing(drafter)
     inv_scale = None
@@ -383,66 +316,118 @@ def _run(cfg: TrainConfig, info, target, console) -> dict:
         inv_scale, rms = aux_inv_scale(first["aux"].to(dev), first["attention_mask"], len(layers))
         notes["aux_rms"] = [round(r, 4) for r in rms]
         console.print(f"--aux-scale: aux states' RMS on the first batch {notes['aux_rms']} (fc reads them divided)")
-    model = TTTModel(drafter, k, cfg.loss_chunk, attention, compile=run.compile,
+    model = TTTModel(drafter, run.ttt_steps, cfg.loss_chunk, run.attention, compile=run.compile,
                      regions="elementwise" if info.distributed else "layer", aux_inv_scale=inv_scale)
     bf16 = dtype == "bf16"
     parallel.apply_fsdp(model, info, ignored_params={drafter.embed_tokens.weight}, bf16=bf16)
     amp = (lambda: torch.autocast(dev.type, dtype=torch.bfloat16)) if bf16 and not info.distributed else nullcontext
     params = [p for p in model.parameters() if p.requires_grad]
-    device_guard = run.device_guard
     # fused: one kernel for all tensors, and it can skip a non-finite step on the device (guarded_update)
-    opt = torch.optim.AdamW(params, lr=peak, weight_decay=cfg.weight_decay, **({"fused": True} if device_guard else {}))
-    fingerprint = {**request, "steps": steps, "lr": peak, "batch_size": B, "aux_layers": layers,
+    opt = torch.optim.AdamW(params, lr=run.lr, weight_decay=cfg.weight_decay,
+                            **({"fused": True} if run.device_guard else {}))
+    fingerprint = {**request, "steps": run.steps, "lr": run.lr, "batch_size": B, "aux_layers": layers,
                    "draft_vocab_size": drafter.spec.draft_vocab_size, "data_fingerprint": data.fingerprint,
                    "num_train": len(train_idx), "dtype": dtype}
+    return Trainer(cfg=cfg, info=info, out=out, target=target, data=data, train_idx=train_idx, val_idx=val_idx,
+                   layers=layers, drafter=drafter, model=model, opt=opt, params=params, amp=amp,
+                   cache=HeadCache(cfg.target_cache_mb << 20), k=run.ttt_steps, B=B, steps=run.steps, peak=run.lr,
+                   warmup=max(1, round(cfg.warmup_ratio * run.steps)), device_guard=run.device_guard,
+                   keep_last=run.keep_last, fingerprint=fingerprint, notes=notes,
+                   lengths=data.lengths()[np.asarray(train_idx)] if cfg.group_by_length else None)
 
+
+def train_step(t: Trainer, step: int) -> Step:
+    """One optimizer step: this rank's slice of the step's global batch (a pure function of seed and step), the
+    k-step unroll, the backward, the clipped update — skipped, never applied, when the gradient is not finite."""
+    lr = lr_at(step, t.steps, t.peak, t.warmup)
+    for g in t.opt.param_groups:
+        g["lr"] = lr
+    gidx, epoch, j = parallel.epoch_batch(step, len(t.train_idx), t.B, t.cfg.seed, lengths=t.lengths,
+                                          group=t.cfg.group_by_length)
+    mine = [t.train_idx[i] for i in gidx[parallel.rank_slice(t.B, t.info)]]
+    batch = t.data.batch(mine, t.layers)
+    inp = ttt_inputs(batch, t.target, t.drafter.t2d, t.k, t.info.device, t.info, t.pad_to, keys=mine, cache=t.cache)
+    with t.amp():
+        loss, stats, _, _ = t.model(**inp)
+    (loss * t.info.world_size).backward()  # FSDP averages gradients over ranks; the loss is global
+    gnorm = torch.nn.utils.clip_grad_norm_(t.params, t.cfg.max_grad_norm)
+    gn = gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm
+    # A NaN/Inf loss on any rank makes the global gradient norm non-finite, so every rank takes the same
+    # decision: such an update is never applied.
+    skipped = guarded_update(t.opt, gn, t.device_guard)
+    t.opt.zero_grad(set_to_none=True)
+    return Step(loss.detach(), stats, gn.detach(), skipped, lr, epoch, j, int(batch["attention_mask"].sum()),
+                batch["attention_mask"].numel())
+
+
+class Metrics:
+    """metrics.jsonl (one object a logged step) and its TensorBoard twin, written by rank 0."""
+
+    def __init__(self, out: str, start: int, info):
+        self.path, self.writer = os.path.join(out, "metrics.jsonl"), None
+        if info.is_main:
+            rundir.keep_metrics(self.path, start)
+            self.writer = SummaryWriter(os.path.join(out, "tb"), purge_step=start or None)
+
+    def log(self, rec: dict) -> None:
+        rec = _round(rec)
+        if self.writer is None:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+        for key, v in rec.items():
+            if key != "step" and isinstance(v, (int, float)):
+                self.writer.add_scalar(key, v, rec["step"])
+            elif isinstance(v, list):
+                for i, x in enumerate(v):
+                    self.writer.add_scalar(f"{key}/{i}", x, rec["step"])
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+def save_checkpoint(t: Trainer, done: int, step: Step, seen: int, meta: dict) -> str:
+    """Checkpoint `done` (collective): the engine files and the resume state, the newest keep_last kept."""
+    meta = {"config": t.fingerprint, "notes": t.notes, **meta,
+            "data": {"samples_seen": done * t.B, "epoch": step.epoch, "batch_in_epoch": step.batch_in_epoch + 1,
+                     "tokens_seen": seen},
+            "scheduler": {"name": "warmup_cosine", "peak_lr": t.peak, "warmup": t.warmup, "total": t.steps,
+                          "min_ratio": MIN_LR_RATIO, "next_lr": lr_at(done, t.steps, t.peak, t.warmup)}}
+
+    def write_model(d, full_sd):
+        save_drafter(rundir.export_copy(t.drafter.spec, full_sd), d, format="sglang", target=t.target,
+                     layers=t.layers)
+
+    return str(rundir.save_training_state(t.out, done, t.model, t.opt, t.info, meta, write_model=write_model,
+                                          keep_last=t.keep_last, skip=(EMBED,)))
+
+
+def _run(cfg: TrainConfig, info, target, console) -> dict:
+    console = console or Console(stderr=True)
+    if not info.is_main:
+        console = Console(stderr=True, quiet=True)
+    out, request = open_run_dir(cfg, info)
+    dev = info.device
+    if target is None:
+        with console.status(f"loading target {cfg.target}"):
+            target = load_target(cfg.target, device=dev, dtype=cfg.resolved(dev.type).dtype,
+                                 trust_remote_code=cfg.trust_remote_code)
+    latest = newest_checkpoint(cfg, out, console)
+    t = build_trainer(cfg, info, out, request, target, latest, console)
     start, initial_val, last, skipped, seen0 = 0, None, {}, 0, 0
     if latest is not None:
-        start, notes, initial_val, last, skipped, seen0 = resume_from(latest, model, opt, info, fingerprint, notes)
-        console.print(f"resuming from {latest} (step {start} of {steps})")
-
-    metrics_path = os.path.join(out, "metrics.jsonl")
-    writer = None
-    if info.is_main:
-        rundir.keep_metrics(metrics_path, start)
-        from torch.utils.tensorboard import SummaryWriter
-        writer = SummaryWriter(os.path.join(out, "tb"), purge_step=start or None)
-
-    def log(rec: dict) -> None:
-        rec = _round(rec)
-        if info.is_main:
-            with open(metrics_path, "a") as f:
-                f.write(json.dumps(rec) + "\n")
-            for key, v in rec.items():
-                if key != "step" and isinstance(v, (int, float)):
-                    writer.add_scalar(key, v, rec["step"])
-                elif isinstance(v, list):
-                    for i, x in enumerate(v):
-                        writer.add_scalar(f"{key}/{i}", x, rec["step"])
-
-    def save(done: int, epoch: int, j: int, seen: int) -> str:
-        meta = {"config": fingerprint, "notes": notes, "initial_val": initial_val, "last_metrics": last,
-                "skipped_steps": skipped,
-                "data": {"samples_seen": done * B, "epoch": epoch, "batch_in_epoch": j + 1, "tokens_seen": seen},
-                "scheduler": {"name": "warmup_cosine", "peak_lr": peak, "warmup": warmup, "total": steps,
-                              "min_ratio": MIN_LR_RATIO, "next_lr": lr_at(done, steps, peak, warmup)}}
-
-        def write_model(d, full_sd):
-            save_drafter(rundir.export_copy(drafter.spec, full_sd), d, format="sglang", target=target, layers=layers)
-
-        return str(rundir.save_training_state(out, done, model, opt, info, meta, write_model=write_model,
-                                            keep_last=run.keep_last, skip=(EMBED,)))
-
-    pad_to = 128 if attention == "flex" else 1
-    cache = HeadCache(cfg.target_cache_mb << 20)
+        start, t.notes, initial_val, last, skipped, seen0 = resume_from(latest, t.model, t.opt, info, t.fingerprint,
+                                                                        t.notes)
+        console.print(f"resuming from {latest} (step {start} of {t.steps})")
+    metrics = Metrics(out, start, info)
+    run = cfg.resolved(dev.type, distributed=info.distributed, num_train=len(t.train_idx))
     log_every, val_every, save_every = run.log_every, run.val_every, run.save_every
     slow = float(os.environ.get("DRAFTPORT_TEST_SLOW_STEP_S", "0") or 0)  # test hook: time to kill a run
     if start == 0:
-        initial_val = validate(model, data, val_idx, layers, target, k, B, info, dev, amp, cache)
-        log({"step": 0, **initial_val})
-    sl, tokens, t0, final_path = parallel.rank_slice(B, info), 0, time.perf_counter(), None
-    padded = 0  # B × T summed (before flex attention rounds T up): tokens / padded = the batches' fill
-    train_lengths = data.lengths()[np.asarray(train_idx)] if cfg.group_by_length else None
+        initial_val = validate(t)
+        metrics.log({"step": 0, **initial_val})
+    tokens, padded, t0, final_path = 0, 0, time.perf_counter(), None  # padded: B × T summed, for the batches' fill
     # --save-at-tokens: the marks still ahead of this run (a resumed run has published the ones behind it)
     marks = sorted(m for m in set(cfg.save_at_tokens or ()) if not rundir.is_complete_milestone(out, m))
     bad_run = 0  # consecutive skipped steps (non-finite loss or gradient)
@@ -450,80 +435,57 @@ def _run(cfg: TrainConfig, info, target, console) -> dict:
     progress = Progress(TextColumn("training"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
                         TimeRemainingColumn(), console=console, disable=not info.is_main)
     with progress:
-        task = progress.add_task("train", total=steps, completed=start, info="")
-        for step in range(start, steps):
-            lr = lr_at(step, steps, peak, warmup)
-            for g in opt.param_groups:
-                g["lr"] = lr
-            gidx, epoch, j = parallel.epoch_batch(step, len(train_idx), B, cfg.seed, lengths=train_lengths,
-                                                  group=cfg.group_by_length)
-            mine = [train_idx[i] for i in gidx[sl]]
-            batch = data.batch(mine, layers)
-            tokens += int(batch["attention_mask"].sum())
-            padded += batch["attention_mask"].numel()
-            inp = ttt_inputs(batch, target, drafter.t2d, k, dev, info, pad_to, keys=mine, cache=cache)
-            with amp():
-                loss, stats, _, _ = model(**inp)
-            (loss * info.world_size).backward()  # FSDP averages gradients over ranks; the loss is global
-            gnorm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
-            gn = gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm
-            # A NaN/Inf loss on any rank makes the global gradient norm non-finite, so every rank takes
-            # the same decision: such an update is never applied.
-            bad = guarded_update(opt, gn, device_guard)
-            opt.zero_grad(set_to_none=True)
+        task = progress.add_task("train", total=t.steps, completed=start, info="")
+        for step in range(start, t.steps):
+            s = train_step(t, step)
             done = step + 1
-            pending.append((done, loss.detach(), gn.detach(), bad))
+            tokens, padded = tokens + s.tokens, padded + s.padded
+            pending.append((done, s.loss, s.grad_norm, s.skipped))
             # a mark is near when this rank's share, scaled to all ranks, reaches it (exact on one process);
             # the all-reduced count below decides
             at_mark = bool(marks) and seen0 + tokens * info.world_size >= marks[0]
-            saving = done % save_every == 0 or done == steps or at_mark
-            validating = bool(val_every and done % val_every == 0) or done == steps
-            if device_guard and not (saving or validating or done % log_every == 0):
+            saving = done % save_every == 0 or done == t.steps or at_mark
+            validating = bool(val_every and done % val_every == 0) or done == t.steps
+            if t.device_guard and not (saving or validating or done % log_every == 0):
                 progress.update(task, completed=done)
                 if slow:
                     time.sleep(slow)
                 continue  # the skip flags are read with the next metrics line: no host read this step
             flags = torch.stack([p[3] for p in pending]).tolist()  # the host read of the guard
             rec, note = {}, {}
-            for (at, l, g, _), nonfinite in zip(pending, flags):
+            for (at, loss, gn, _), nonfinite in zip(pending, flags):
                 if not nonfinite:
                     bad_run = 0
                     continue
                 skipped, bad_run = skipped + 1, bad_run + 1
-                what = f"loss {float(l):g}, gradient norm {float(g):g}"
+                what = f"loss {float(loss):g}, gradient norm {float(gn):g}"
                 note = {"skipped": 1, "skipped_steps": skipped, "nonfinite": what}
                 console.print(f"[yellow]step {at}: {what}: not finite, step skipped (no optimizer update; "
                               f"{bad_run} in a row, {cfg.max_nonfinite_steps} stop the run)[/yellow]")
                 if at == done:
                     break  # this step's note joins its record below, then the run-length check
-                log({"step": at, **note})  # an earlier step's, in step order
+                metrics.log({"step": at, **note})  # an earlier step's, in step order
                 note = {}
                 if bad_run >= cfg.max_nonfinite_steps:  # stop before saving: the newest checkpoint is the last good one
                     _stop_nonfinite(bad_run, at, out)
             finite, pending = not flags[-1], []
-            if finite and (done % log_every == 0 or done == steps):
+            if finite and (done % log_every == 0 or done == t.steps):
                 # logged, not kept in `last` when not finite: the summary's figures are those of real steps
-                stats = parallel.all_reduce_sum(stats.detach().clone(), info).cpu()
-                tok, pad = parallel.all_reduce_sum(torch.tensor([float(tokens), float(padded)], device=dev),
-                                                   info).tolist()
-                elapsed = time.perf_counter() - t0
-                rec = {"loss": sum(DEFAULT_DECAY ** i * v for i, v in enumerate(stats[0].tolist())),
-                       "loss_steps": stats[0].tolist(), "acc": (stats[1] / stats[2].clamp_min(1)).tolist(),
-                       "lr": lr, "grad_norm": float(gn), "tokens": tok, "tokens_seen": seen0 + int(tok),
-                       "tok_s": tok / elapsed if elapsed else 0.0, "batch_fill": tok / pad if pad else None}
+                rec = step_record(t, s, tokens, padded, seen0, time.perf_counter() - t0)
                 progress.update(task, info=f"loss {rec['loss']:.3f}  acc0 {rec['acc'][0]:.2f}  "
                                            f"{rec['tok_s']:,.0f} tok/s")
             if validating:
-                rec.update(validate(model, data, val_idx, layers, target, k, B, info, dev, amp, cache))
+                rec.update(validate(t))
             if rec:
                 last = _round({**last, **rec, "step": done})
             if rec or note:
-                log({"step": done, **rec, **note})
+                metrics.log({"step": done, **rec, **note})
             if bad_run >= cfg.max_nonfinite_steps:  # stop before saving: the newest checkpoint stays the last good one
                 _stop_nonfinite(bad_run, done, out)
             if saving:
                 seen = seen0 + int(parallel.all_reduce_sum(torch.tensor([float(tokens)], device=dev), info).item())
-                final_path = save(done, epoch, j, seen)
+                final_path = save_checkpoint(t, done, s, seen, {"initial_val": initial_val, "last_metrics": last,
+                                                                "skipped_steps": skipped})
                 while marks and seen >= marks[0]:  # the learning curve's points: engine files, kept for good
                     if info.is_main:
                         rundir.publish_milestone(final_path, out, marks[0], seen, done)
@@ -531,28 +493,38 @@ def _run(cfg: TrainConfig, info, target, console) -> dict:
             progress.update(task, completed=done)
             if slow:
                 time.sleep(slow)
-    if start >= steps:  # a finished run rerun: report what its last checkpoint recorded
+    if start >= t.steps:  # a finished run rerun: report what its last checkpoint recorded
         final_path = str(latest)
     final = os.path.join(out, "final")
     if info.is_main:  # <out>/final: the finished drafter, engine files only
         rundir.publish_final(final_path, final)
-    if writer is not None:
-        writer.close()
-    seconds = time.perf_counter() - t0
+    metrics.close()
     summary = _round({
-        "steps": steps, "final_loss": last.get("loss"), "val_loss": last.get("val_loss"),
+        "steps": t.steps, "final_loss": last.get("loss"), "val_loss": last.get("val_loss"),
         "val_accept_len": last.get("val_accept_len"), "val_accept_len_k": last.get("val_accept_len_k"),
         "val_acc": last.get("val_acc"), "val_cond_acc": last.get("val_cond_acc"), "initial_val": initial_val,
-        "final_drafter": final, "checkpoint": final_path, "out": out, "mode": "offline" if data.offline else "online",
-        "resumed_from_step": start, "world_size": info.world_size, "ttt_steps": k, "batch_size": B,
-        "aux_layers": layers, "draft_vocab_size": drafter.spec.draft_vocab_size, "vocab": notes,
-        "num_train": len(train_idx), "num_val": len(val_idx), "tokens_per_s": last.get("tok_s"),
-        "batch_fill": last.get("batch_fill"), "group_by_length": cfg.group_by_length,
-        "seconds": seconds, "init_from": cfg.init_from, "skipped_steps": skipped,
-        "milestones": rundir.list_milestones(out) if cfg.save_at_tokens else None})
+        "final_drafter": final, "checkpoint": final_path, "out": out,
+        "mode": "offline" if t.data.offline else "online", "resumed_from_step": start,
+        "world_size": info.world_size, "ttt_steps": t.k, "batch_size": t.B, "aux_layers": t.layers,
+        "draft_vocab_size": t.drafter.spec.draft_vocab_size, "vocab": t.notes, "num_train": len(t.train_idx),
+        "num_val": len(t.val_idx), "tokens_per_s": last.get("tok_s"), "batch_fill": last.get("batch_fill"),
+        "group_by_length": cfg.group_by_length, "seconds": time.perf_counter() - t0, "init_from": cfg.init_from,
+        "skipped_steps": skipped, "milestones": rundir.list_milestones(out) if cfg.save_at_tokens else None})
     if info.is_main:
         atomic_write_json(os.path.join(out, "summary.json"), summary)
     return summary
+
+
+def step_record(t: Trainer, s: Step, tokens: int, padded: int, seen0: int, elapsed: float) -> dict:
+    """A logged step's metrics line: loss, per-step accuracy, lr, gradient norm, tokens and their rate (summed
+    over ranks)."""
+    stats = parallel.all_reduce_sum(s.stats.detach().clone(), t.info).cpu()
+    tok, pad = parallel.all_reduce_sum(torch.tensor([float(tokens), float(padded)], device=t.info.device),
+                                       t.info).tolist()
+    return {"loss": sum(DEFAULT_DECAY ** i * v for i, v in enumerate(stats[0].tolist())),
+            "loss_steps": stats[0].tolist(), "acc": (stats[1] / stats[2].clamp_min(1)).tolist(),
+            "lr": s.lr, "grad_norm": float(s.grad_norm), "tokens": tok, "tokens_seen": seen0 + int(tok),
+            "tok_s": tok / elapsed if elapsed else 0.0, "batch_fill": tok / pad if pad else None}
 
 
 def _stop_nonfinite(bad_run: int, at: int, out: str) -> None:
