@@ -12,9 +12,11 @@ import importlib
 import os
 import sys
 
+from draftport.check.layers import validate_aux_ids
 from draftport.decode.options import NATIVE_COMPILE, REGEN_ENGINES, SDPA_CHOICES, TARGET_PASSES
 from draftport.errors import DraftportError, is_disk_full, report
 from draftport.safeio import FAILED_FILE, clean_failed_out, default_out
+from draftport.train.config import parse_token_counts
 from draftport.verbs.flags import config_from
 
 # verb -> (module, config dataclass, main function). The config's fields carry the same names as the
@@ -49,9 +51,6 @@ def _int_list(text: str) -> list[int]:
 
 def _token_counts(text: str) -> list[int]:
     """'500k,2M,1.5G' -> [500000, 2000000, 1500000000] (train.config.parse_token_counts)."""
-    from draftport.errors import DraftportError
-    from draftport.train.config import parse_token_counts
-
     try:
         return parse_token_counts(text)
     except DraftportError as exc:
@@ -60,9 +59,6 @@ def _token_counts(text: str) -> list[int]:
 
 def _aux_list(text: str) -> list[int]:
     """--aux-layers: unique ids in ascending order, the order both engines feed them (check/layers.py)."""
-    from draftport.check.layers import validate_aux_ids
-    from draftport.errors import DraftportError
-
     ids = _int_list(text)
     try:
         return list(validate_aux_ids(ids, None))

@@ -31,12 +31,16 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, ProgressColumn, TextColumn, TimeRemainingColumn
 from rich.text import Text
 
+from draftport.capture import regenerate as regen_mod
 from draftport.check.layers import validate_aux_ids
-from draftport.errors import DraftportError, bad_input
-from draftport.safeio import atomic_write_json, read_json
-from draftport.model.target import load_target
+from draftport.data import conversations as data_mod
+from draftport.data.chat import resolve_chat_template, tokenize_conversations
+from draftport.data.conversations import check_data_source, save_conversations
 from draftport.data.store import MANIFEST, StoreWriter, bytes_per_token, clear_store, identity_mismatch
 from draftport.decode.options import BATCH_ENGINES, REGEN_ENGINES
+from draftport.errors import DraftportError, bad_input
+from draftport.model.target import load_target
+from draftport.safeio import atomic_write_json, read_json
 
 DEFAULT_MAX_LEN = 2048
 DEFAULT_BATCH = 8
@@ -134,8 +138,6 @@ def _refuse_if_different(out: str, request: dict) -> None:
 
 def load_data(cfg: CaptureConfig, target, request: dict, console: Console) -> list:
     """The conversations to capture: loaded, or regenerated chunk by chunk (reusing saved chunks)."""
-    from draftport.data import conversations as data_mod
-
     convs = data_mod.load_conversations(cfg.data, max_samples=cfg.max_samples)
     if not cfg.regenerate:
         return list(convs)
@@ -151,9 +153,6 @@ def regenerate_into(out: str, target, convs, request: dict, console: Console, *,
     rerun reuses the saved text), then write <out>/regenerated.jsonl. request: the caller's identity
     (keys compared against the saved one; it holds max_len, regen_batch_size and regen_engine). Saved text
     made with another request is refused, or with replace_other deleted and made again."""
-    from draftport.data import conversations as data_mod
-    from draftport.capture import regenerate as regen_mod
-
     regen_dir = os.path.join(out, REGEN_DIR)
     os.makedirs(regen_dir, exist_ok=True)
     meta_path = os.path.join(regen_dir, "request.json")
@@ -195,8 +194,6 @@ def regenerate_into(out: str, target, convs, request: dict, console: Console, *,
 
 def tokenize_all(tokenizer, convs, chat_template, max_len, console: Console):
     """-> (ids: list[int32 array], masks: list[uint8 array], skipped). Drops samples with no loss token."""
-    from draftport.data.chat import tokenize_conversations
-
     ids, masks, skipped = [], [], 0
     step = 1024  # conversations a progress update (tokenize_conversations batches them for the tokenizer)
     with _progress(console, unit="conv") as progress:
@@ -312,7 +309,6 @@ def run_capture(cfg: CaptureConfig, target=None, console: Console | None = None)
         raise bad_input(out, "--out exists and is not a directory")
     if cfg.aux_layers is not None:  # before the folder and the (slow) target load: engines need them unique, ascending
         validate_aux_ids(cfg.aux_layers, None, "--aux-layers")
-    from draftport.data.conversations import check_data_source
     check_data_source(cfg.data)  # bad data fails now: before the folder exists and the target loads
     os.makedirs(out, exist_ok=True)
     request = request_config(cfg)
@@ -332,8 +328,6 @@ def run_capture(cfg: CaptureConfig, target=None, console: Console | None = None)
     # a target passed in by a caller decides the compute dtype, whatever the flags said
     request["dtype"] = {torch.bfloat16: "bf16", torch.float32: "fp32"}.get(target.dtype, str(target.dtype))
     max_len = request["max_len"]
-    from draftport.data.chat import resolve_chat_template
-    from draftport.data.conversations import save_conversations
 
     # an unknown template name fails here, before any regeneration or tokenization
     template_name = getattr(resolve_chat_template(target.tokenizer, cfg.chat_template), "name", None)

@@ -16,8 +16,9 @@ from typing import Sequence
 
 from draftport.data.chat import ChatTemplate, encode_prompt, resolve_chat_template, stop_token_ids
 from draftport.data.conversations import Conversation
-from draftport.errors import DraftportError
+from draftport.decode.batch import BatchConfig, BatchGenerator
 from draftport.decode.options import BATCH_ENGINES, REGEN_ENGINES
+from draftport.errors import DraftportError
 
 REGEN_MAX_NEW_TOKENS = 256  # regeneration: tokens per response unless told otherwise
 BATCH_MAX_LEN = 2048  # the batch engine's cache slots a row when no max_len is given
@@ -100,8 +101,6 @@ def batch_generator(target, batch_size: int, max_len: int | None, temperature: f
                     seed: int = 0, engine: str = "batch"):
     """The batch engine regeneration uses: B rows of max_len slots (prompt + answer); engine "batch-flex": its
     decode step's attention reads only each row's visible key blocks (BatchConfig.decode_attention "flex")."""
-    from draftport.decode.batch import BatchConfig, BatchGenerator
-
     return BatchGenerator(target, BatchConfig(batch_size=batch_size, max_len=max_len or BATCH_MAX_LEN,
                                               temperature=temperature, top_p=top_p, seed=seed,
                                               decode_attention="flex" if engine == "batch-flex" else "dense"))

@@ -15,7 +15,7 @@ from draftport.check.engines import (ENGINES, EngineRef, aux_count_problem, draf
                                      extra_layer_form, target_support)
 from draftport.check.inventory import (FROZEN_OR_TRAINING, VOCAB_BUFFERS, Inventory, TensorInfo, canonical_name,
                                        expected_inventory)
-from draftport.check.layers import engine_name, capture_layers, engine_raw_ids, sglang_adds_one, sglang_rule_note
+from draftport.check.layers import capture_layers, engine_name, engine_raw_ids, sglang_adds_one, sglang_rule_note
 from draftport.check.spec import MLA_ARCHS, SGLANG_ARCHS, DrafterSpec, TargetSpec
 from draftport.errors import DraftportError
 

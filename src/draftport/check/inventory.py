@@ -13,9 +13,9 @@ import os
 import struct
 from dataclasses import dataclass, field
 
+from draftport.check.spec import DrafterSpec
 from draftport.errors import bad_input
 from draftport.safeio import read_json
-from draftport.check.spec import DrafterSpec
 
 MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own limit on the JSON header (decimal, not MiB)
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")

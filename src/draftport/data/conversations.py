@@ -21,6 +21,7 @@ import sys
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
+from draftport.data.store import MANIFEST
 from draftport.errors import DraftportError
 from draftport.safeio import atomic_write_bytes, iter_jsonl
 
@@ -364,8 +365,6 @@ def check_data_source(name_or_path: str) -> None:
     """Fail fast, before a verb creates its folder or loads a model (seconds, even for Gemma-3-270M), on data it cannot
     read: a capture store is accepted as is (its reader checks it); anything else must yield a first
     conversation (a missing file, a directory, a malformed first record are one-line errors)."""
-    from draftport.data.store import MANIFEST
-
     if os.path.isdir(name_or_path) and os.path.isfile(os.path.join(name_or_path, MANIFEST)):
         return
     if next(iter_conversations(name_or_path), None) is None:

@@ -33,9 +33,9 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 import torch
 
-from draftport.errors import DraftportError, bad_input, disk_full, is_disk_full
 from draftport.check.inventory import check_coverage, parse_header_json
-from draftport.safeio import atomic_write_json, read_json
+from draftport.errors import DraftportError, bad_input, disk_full, is_disk_full
+from draftport.safeio import atomic_write_json, read_json, sha256_file
 
 FORMAT = "draftport-store"
 VERSION = 1
@@ -473,8 +473,6 @@ class Store:
 
     def shard_matches(self, k: int) -> bool:
         """Shard k's bytes against its sha256 in the manifest."""
-        from draftport.safeio import sha256_file
-
         return sha256_file(self._shards[k].path) == self._shards[k].entry["sha256"]
 
     def corrupt_shard_error(self, k: int) -> DraftportError:

@@ -43,9 +43,10 @@ from typing import Sequence
 import torch
 
 from draftport.decode import sampling
-from draftport.errors import DraftportError
-from draftport.model.kvcache import KVCache, attention_layout, row_block_masks, row_masks, visible
 from draftport.decode.options import DECODE_ATTENTION, check_target_pass, check_warp
+from draftport.errors import DraftportError
+from draftport.model.fusion import compiled as compile_fn
+from draftport.model.kvcache import KVCache, attention_layout, row_block_masks, row_masks, visible
 from draftport.model.native import PREFILL_SCOPE, SMALL_QUERY_ROWS, choose_target_pass, native_decoder
 
 MAX_STOP_IDS = 64  # stop ids a call may name (a fixed-size device buffer the graph compares against)
@@ -183,8 +184,6 @@ class BatchGenerator:
         # the sampled pick compiled with the decode step (static [B, V] shapes: the step's are fixed)
         self._race = sampling.race_pick
         if self.sampled and self.device.type == "cuda" and self.cfg.compile_decode is not False:
-            from draftport.model.fusion import compiled as compile_fn
-
             self._race = compile_fn(sampling.race_pick, dynamic=False)
 
     # -- the passes ---------------------------------------------------------------------------

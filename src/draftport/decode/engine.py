@@ -37,13 +37,15 @@ from dataclasses import dataclass, field
 
 import torch
 
+from draftport.check.layers import resolve_aux_layers
 from draftport.decode import sampling
 from draftport.decode.graphs import Graphed, GraphSet
 from draftport.decode.options import EngineConfig
+from draftport.errors import DraftportError
+from draftport.model import native
 from draftport.model.fusion import FusedTarget
 from draftport.model.kvcache import KVCache, additive_masks, attention_layout
 from draftport.model.native import choose_target_pass, native_decoder
-from draftport.errors import DraftportError
 
 
 # ---------------------------------------------------------------------------------------------
@@ -141,7 +143,6 @@ class SpecEngine:
 
     def _init_drafter(self, drafter) -> None:
         spec = drafter.spec
-        from draftport.check.layers import resolve_aux_layers
 
         layers = resolve_aux_layers(spec, self.target.spec, self.cfg.aux_layers).layers
         if len(layers) != spec.num_aux_layers or not all(0 <= i <= self.num_layers for i in layers):
@@ -174,7 +175,6 @@ class SpecEngine:
         """The native decoder's report plus what this engine runs of it (None on the HF modules)."""
         if self.native is None:
             return None
-        from draftport.model import native
 
         # linear_rows: the rows an invariant pass pads its linear layers to (0: not padded), as read now, which is
         # what the engine's passes read unless a benchmark changed native's constants in between

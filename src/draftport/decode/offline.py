@@ -35,7 +35,9 @@ from typing import Iterable, Sequence
 
 import torch
 
+from draftport.data.store import Store
 from draftport.errors import DraftportError
+from draftport.model.kvcache import TTTCache
 
 ARGMAX_CHUNK = 256  # rows of last_hidden sent through the target's head at once (V can be 262k wide)
 
@@ -75,7 +77,6 @@ def simulate_chains(drafter, aux: torch.Tensor, input_ids: torch.Tensor, target_
                              f"{target_argmax.shape[0]}; they must match")
     if depth < 1:
         raise DraftportError(f"offline τ needs depth >= 1, got {depth}")
-    from draftport.model.kvcache import TTTCache
 
     dev = drafter.fc.weight.device
     ids = input_ids.to(dev, torch.long)
@@ -194,8 +195,6 @@ def sample_walk(drafter, aux: torch.Tensor, input_ids: torch.Tensor, loss_mask: 
 
 def _samples(data, target, max_samples: int | None) -> Iterable[tuple[str, dict]]:
     """(where, sample with target_argmax) from a Store, a store path, or an iterable of dicts."""
-    from draftport.data.store import Store
-
     if isinstance(data, (str, os.PathLike)):
         data = Store(os.fspath(data))
     source = getattr(data, "path", "<samples>")
@@ -225,8 +224,6 @@ def offline_accept_len(drafter, data, target=None, depth: int = 3, *, max_new_to
     Returns {accept_len (renewal walk, what decoding measures), per_position, accept_hist, cycles,
     position_accept_len (mean over every anchor), positions, depth, samples, sample_accept_lens}.
     """
-    from draftport.data.store import Store
-
     store = Store(os.fspath(data)) if isinstance(data, (str, os.PathLike)) else data
     if aux_layers is not None and isinstance(store, Store) and list(store.aux_layers) != list(aux_layers):
         raise DraftportError(f"the store holds aux layers {list(store.aux_layers)} but the drafter is fed "

@@ -48,12 +48,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from draftport.model import fusion, native
-from draftport.errors import DraftportError
-from draftport.model.kvcache import KVCache, TTTCache
-from draftport.model.ops import rms_norm_weight_after_cast as rms_norm  # LlamaRMSNorm's math, as the engine fuses it
-from draftport.model.ops import rotary_half_split
 from draftport.check.spec import DrafterSpec, drafter_spec_from_dict
+from draftport.errors import DraftportError
+from draftport.model import fusion, native
+from draftport.model.kvcache import KVCache, TTTCache
+from draftport.model.ops import (rms_norm_weight_after_cast as rms_norm, rotary_half_split)  # LlamaRMSNorm's math, as the engine fuses it
 
 Tensor = torch.Tensor
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}

@@ -28,10 +28,12 @@ from pathlib import Path
 
 import torch
 
-from draftport.model.drafter import Eagle3Drafter, parse_dtype
+from draftport.check.inventory import PICKLE_SUFFIXES, read_inventory
+from draftport.check.layers import engine_aux_ids, resolve_aux_layers, target_family
+from draftport.check.spec import EMBEDDED_TARGET, DrafterSpec, TargetSpec, load_drafter_spec, load_target_spec
 from draftport.errors import DraftportError
+from draftport.model.drafter import Eagle3Drafter, parse_dtype
 from draftport.safeio import atomic_write_json
-from draftport.check.spec import DrafterSpec, TargetSpec
 
 FORMATS = ("sglang", "vllm", "speculators")
 MAX_INVENTED_BYTES = 64 << 20  # tensors a checkpoint lacks are initialised; beyond this, only as much as it holds
@@ -119,8 +121,6 @@ def _read_tensors(directory: str) -> tuple[dict[str, tuple[torch.Tensor, str]], 
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    from draftport.check.inventory import read_inventory
-
     inv = read_inventory(directory)             # validates every safetensors header first
     out: dict[str, tuple[torch.Tensor, str]] = {}
     files = list(inv.files)
@@ -151,9 +151,6 @@ def _read_tensors(directory: str) -> tuple[dict[str, tuple[torch.Tensor, str]], 
 def load_drafter(path: str | os.PathLike, *, device=None, dtype: torch.dtype | str | None = None
                  ) -> tuple[Eagle3Drafter, LoadReport]:
     """Any supported drafter directory -> (Eagle3Drafter, LoadReport). dtype None: the checkpoint's."""
-    from draftport.check.inventory import PICKLE_SUFFIXES
-    from draftport.check.spec import load_drafter_spec
-
     path = os.fspath(path)
     if os.path.isfile(path) and path.endswith(PICKLE_SUFFIXES):  # e.g. SpecForge's training_state.pt
         raise DraftportError("is a pickle, which draftport never opens (unpickling can run any code); pass the "
@@ -257,13 +254,11 @@ class AuxPlan:
 def _recorded_target(spec: DrafterSpec) -> TargetSpec | None:
     """A TargetSpec from what a draftport-trained drafter recorded (family and depth are all the rules need)."""
     if spec.target_path and os.path.exists(spec.target_path):
-        from draftport.check.spec import load_target_spec
         try:
             return load_target_spec(spec.target_path)
         except DraftportError:
             pass
     if spec.target_num_layers and (spec.target_architecture or spec.target_model_type):
-        from draftport.check.layers import target_family
         arch, mt = spec.target_architecture or "", spec.target_model_type or ""
         return TargetSpec(source=f"{spec.source} (recorded target)", architecture=arch or mt, model_type=mt,
                           family=target_family(arch, mt), hidden_size=spec.target_hidden_size,
@@ -281,7 +276,6 @@ def _resolve_target(target) -> tuple[TargetSpec | None, str | None]:
         if src.startswith("<"):
             return target, None
         return target, os.path.dirname(src) if os.path.basename(src) == "config.json" else src
-    from draftport.check.spec import EMBEDDED_TARGET, load_target_spec
     if hasattr(target, "spec") and isinstance(target.spec, TargetSpec):   # an HFTarget
         src = getattr(target, "source", None)
         if src == EMBEDDED_TARGET:
@@ -296,9 +290,6 @@ def plan_aux_ids(spec: DrafterSpec, target=None, layers: list[int] | None = None
     """Which layers the drafter expects (check/layers.py's rule: explicit `layers` > recorded
     trained_layers > what its config makes its native engine capture) and the raw ids that make each
     engine capture them."""
-    from draftport.check.layers import engine_aux_ids
-    from draftport.check.layers import resolve_aux_layers
-
     tspec, tpath = _resolve_target(target)
     if tspec is None:
         tspec = _recorded_target(spec)

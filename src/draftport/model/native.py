@@ -51,6 +51,7 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from draftport.decode.options import NATIVE_COMPILE
 from draftport.errors import DraftportError
+from draftport.model.fusion import _FallBack, raise_recompile_limit
 from draftport.model.ops import rms_norm, rotary_half_split
 from draftport.model.target import apply_logit_postprocessing
 
@@ -449,8 +450,6 @@ class NativeDecoder:
         pass from embedding to logits as one region, so the compiler may fuse across those seams and layers
         (the faster of the two depends on the model and GPU). A compile failure falls back to the plain function
         with a warning (fusion._FallBack). backend / fullgraph: tests trace on the CPU with backend "eager"."""
-        from draftport.model.fusion import _FallBack, raise_recompile_limit
-
         if scope not in SCOPES + (PREFILL_SCOPE,):
             raise ValueError(f"compile scope must be one of {', '.join(SCOPES + (PREFILL_SCOPE,))} (got {scope!r})")
         if self.compiled_scope(scope):

@@ -22,9 +22,9 @@ from typing import Protocol, Sequence
 import torch
 from torch import nn
 
-from draftport.errors import DraftportError
 from draftport.check.layers import resolve_aux_layers
 from draftport.check.spec import TargetSpec, target_spec_from_dict
+from draftport.errors import DraftportError
 from draftport.model.gguf import EMBEDDED_DEFAULT, converted_dir, quiet_transformers
 
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,

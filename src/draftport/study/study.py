@@ -22,8 +22,7 @@ from draftport import economics
 from draftport.data.conversations import split_train_val
 from draftport.errors import DraftportError
 from draftport.study import plots
-from draftport.study.report import Image, Report, Section, write_report
-from draftport.study.report import Table as RTable
+from draftport.study.report import Image, Report, Section, Table as RTable, write_report
 from draftport.train.config import TOKEN_SCALE, TrainConfig, parse_token_counts, token_label
 
 

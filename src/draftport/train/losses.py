@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from draftport.errors import DraftportError
+from draftport.model.fusion import compiled as compile_fn
 
 DEFAULT_DECAY = 0.8  # EAGLE-3 step weight 0.8^i
 
@@ -181,8 +182,6 @@ def _scaled(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, rows: int,
     eager cast, multiply and copy of an 8B drafter's lm_head ∂W ([32000, 4096]) are a visible share of its TTT
     step."""
     if compiled:
-        from draftport.model.fusion import compiled as compile_fn
-
         return compile_fn(_scale_to, dynamic=None)(x, scale, dtype)
     out = torch.empty(x.shape, dtype=dtype, device=x.device)
     for start in range(0, x.shape[0], rows):
@@ -241,7 +240,6 @@ def _rows_kernel(compiled: bool):
             total, ids, g = _soft_ce_rows(logits, target_logits, valid, grad_dtype is not None)
             return total, ids, None if g is None else g.to(grad_dtype)
         return eager
-    from draftport.model.fusion import compiled as compile_fn
 
     fast = compile_fn(_soft_ce_rows_fusable, dynamic=None)  # Vd stays static; the row count is marked below
 

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from draftport.data.store import sample_order
 from draftport.errors import DraftportError
 
 
@@ -134,8 +135,6 @@ def epoch_batch(step: int, num_samples: int, batch_size: int, seed: int, lengths
     (seed, epoch) — store.sample_order — cut into full batches (the remainder is dropped, so every
     step has the same global batch). With `group` > 0 and the samples' `lengths`, the batches are
     length-grouped (grouped_batches). A pure function of the step: resuming needs only the step."""
-    from draftport.data.store import sample_order
-
     per_epoch = num_samples // batch_size
     if per_epoch < 1:
         raise DraftportError(f"--batch-size {batch_size} is larger than the {num_samples} training samples")
@@ -170,8 +169,6 @@ def grouped_batches(order: np.ndarray, lengths: np.ndarray, batch_size: int, gro
 @functools.lru_cache(maxsize=2)  # one epoch's batches, built once (a step reads one row)
 def _grouped_epoch(num_samples: int, batch_size: int, seed: int, epoch: int, group: int,
                    lengths_bytes: bytes) -> np.ndarray:
-    from draftport.data.store import sample_order
-
     lengths = np.frombuffer(lengths_bytes, dtype=np.int64)
     if len(lengths) != num_samples:
         raise ValueError(f"{len(lengths)} lengths for {num_samples} samples")

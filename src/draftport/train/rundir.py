@@ -29,7 +29,8 @@ from torch import nn
 
 from draftport.errors import DraftportError, disk_full, is_disk_full
 from draftport.model.drafter import Eagle3Drafter
-from draftport.safeio import atomic_rename_dir, atomic_write_bytes, atomic_write_json, iter_jsonl, read_json, sha256_file
+from draftport.safeio import (atomic_rename_dir, atomic_write_bytes, atomic_write_json, iter_jsonl, read_json,
+                              sha256_file)
 from draftport.train import parallel
 from draftport.train.resume import (FORMAT, RESUME, STATE_DIGEST, STATE_JSON, STATE_TENSORS, fsync_file,
                                     gather_full_state, host_rng_state, pack_state, state_digest)

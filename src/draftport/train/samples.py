@@ -10,7 +10,11 @@ import os
 import torch
 import torch.nn.functional as F
 
+from draftport.capture.capture import DEFAULT_MAX_LEN, data_fingerprint, tokenize_all
+from draftport.data.conversations import load_conversations
+from draftport.data.store import MANIFEST, Store, collate
 from draftport.errors import DraftportError, bad_input
+from draftport.model.vocab import count_tokens
 from draftport.train.losses import position_valid, shift_left
 from draftport.train.parallel import DistInfo, all_reduce_sum
 
@@ -25,8 +29,6 @@ class Samples:
 
     def __init__(self, data: str, target, console, *, max_samples: int | None = None, max_len: int | None = None,
                  chat_template: str | None = None):
-        from draftport.data.store import Store
-
         self.target = target
         self.offline = self.is_store(data)
         if self.offline:
@@ -45,9 +47,6 @@ class Samples:
             shas = "".join(s["sha256"] for s in self.store.manifest["shards"])
             self.fingerprint = f"store:{n}:{hash_text(shas)}"
         else:
-            from draftport.capture.capture import DEFAULT_MAX_LEN, data_fingerprint, tokenize_all
-            from draftport.data.conversations import load_conversations
-
             convs = load_conversations(data, max_samples=max_samples)
             self.ids, self.masks, skipped = tokenize_all(target.tokenizer, convs, chat_template,
                                                          max_len or DEFAULT_MAX_LEN, console)
@@ -60,8 +59,6 @@ class Samples:
 
     @staticmethod
     def is_store(data: str) -> bool:
-        from draftport.data.store import MANIFEST
-
         return os.path.isdir(data) and os.path.isfile(os.path.join(data, MANIFEST))
 
     def verify(self, info: DistInfo) -> None:
@@ -91,8 +88,6 @@ class Samples:
 
     def token_counts(self, idx, vocab_size: int) -> torch.Tensor:
         """Token ids under the loss mask over samples `idx` -> int64 [V] (vocab.count_tokens)."""
-        from draftport.model.vocab import count_tokens
-
         counts = torch.zeros(vocab_size, dtype=torch.long)
         if self.offline:
             from safetensors import safe_open
@@ -113,8 +108,6 @@ class Samples:
         return counts
 
     def batch(self, idx, aux_layers: list[int]) -> dict:
-        from draftport.data.store import collate
-
         if self.offline:
             return collate([self.store[int(i)] for i in idx])
         t = self.target

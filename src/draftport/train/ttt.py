@@ -14,6 +14,10 @@ import functools
 import torch
 from torch import nn
 
+from draftport.model.drafter import (compiled_elementwise, elementwise_as, elementwise_state, gated_act, rms_norm,
+                                     rope_qk)
+from draftport.model.fusion import compiled as compile_fn, raise_recompile_limit
+from draftport.model.kvcache import TTTCache
 from draftport.train.losses import DEFAULT_DECAY, draft_hits, linear_soft_ce, position_valid, shift_left
 
 
@@ -31,8 +35,6 @@ def _flex_fn():
     attribute 'stride'") and from then on runs flex eagerly: slow, and it builds the [T, T] scores flex
     exists to avoid. Entries: ≤ 2 per T (training, no_grad validation)."""
     from torch.nn.attention.flex_attention import flex_attention
-
-    from draftport.model.fusion import raise_recompile_limit
 
     if "fn" not in _FLEX:
         _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
@@ -81,8 +83,6 @@ def flex_ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[t
     if len(keys) == 1:
         return out0
     if compiled:
-        from draftport.model.fusion import compiled as compile_fn
-
         merge = compile_fn(ttt_diagonal_merge, dynamic=None)  # ≤ 2 step counts (1, ≥ 2) × T static/dynamic
         return merge(out0, lse0, q, torch.stack(keys[1:]), torch.stack(values[1:]))
     qg = q.view(B, Hkv, G, T, D)
@@ -147,8 +147,6 @@ def ttt_layer_in(h, embeds, cos, sin, norm_ws, qkv, eps: float, heads: int, kv_h
     """drafter.DecoderLayer's forward up to the attention kernel, as one pure function: (q and k with
     RoPE, v, the residual). norm_ws: (input_layernorm, hidden_norm) weights for layer 0, else
     (input_layernorm,); qkv: (wq, bq, wk, bk, wv, bv), biases None when absent."""
-    from draftport.model.drafter import rms_norm, rope_qk
-
     B, T, _ = h.shape
     if first:
         normed = rms_norm(h, norm_ws[1], eps)
@@ -170,8 +168,6 @@ def ttt_layer_out(out0, lse0, q, diag_k, diag_v, residual, ws, act, eps: float, 
     in (ttt_diagonal_merge; diag_k / diag_v None at step 0), o_proj, residual, MLP, residual, and for the
     last layer the final norm. ws: (wo, bo, post_attention_layernorm, wg, bg, wu, bu, wd, bd).
     Returns (hidden carried to the next step, lm_head's input)."""
-    from draftport.model.drafter import gated_act, rms_norm
-
     out = out0 if diag_k is None else ttt_diagonal_merge(out0, lse0, q, diag_k, diag_v)
     B, Hq, T, D = out.shape
     wo, bo, w_post, wg, bg, wu, bu, wd, bd = ws
@@ -235,14 +231,10 @@ class TTTModel(nn.Module):
         """aux [B,T,n·Ht]; ids0, argmax0 [B,T] long; mask0 [B,T] bool; target0 [B,T+k,Vd] target logits
         on the draft columns (padded by k); counts [k] global valid positions per step.
         Returns (loss, stats [3,k] = (loss_i, hits_i, masked_i), hits/masks per step if asked)."""
-        from draftport.model.drafter import compiled_elementwise
-
         with compiled_elementwise(self.compile):  # backward needs no switch: autograd kept what forward ran
             return self._unroll(aux, ids0, mask0, target0, argmax0, counts, with_hits)
 
     def _unroll(self, aux, ids0, mask0, target0, argmax0, counts, with_hits):
-        from draftport.model.kvcache import TTTCache
-
         d, k = self.drafter, self.k
         attention = functools.partial(flex_ttt_attention, compiled=self.compile)
         B, T = ids0.shape
@@ -278,9 +270,8 @@ class TTTModel(nn.Module):
         """A TTT step as per-layer regions: returns step(hidden, ids_i, i, T) -> (hidden, head_in)."""
         from torch.utils.checkpoint import checkpoint
 
-        from draftport.model.fusion import compiled
 
-        layer_in, layer_out = compiled(ttt_layer_in, dynamic=None), compiled(ttt_layer_out, dynamic=None)
+        layer_in, layer_out = compile_fn(ttt_layer_in, dynamic=None), compile_fn(ttt_layer_out, dynamic=None)
         cast = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
         layers = d.layers()
         weights = [_layer_weights(layer, cast) for layer in layers]       # one cast per step, not per call
@@ -322,8 +313,6 @@ def enable_activation_checkpointing(drafter) -> None:
     """Recompute each decoder layer's MLP in backward ([B,T,I] activations are the largest saved).
     Attention is not recomputed: its TTT cache grows as a side effect of the forward."""
     from torch.utils.checkpoint import checkpoint
-
-    from draftport.model.drafter import elementwise_as, elementwise_state
 
     def replay_as_forward():  # the recompute runs in backward, outside TTTModel's compiled_elementwise()
         return contextlib.nullcontext(), elementwise_as(elementwise_state())

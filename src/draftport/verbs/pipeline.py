@@ -25,8 +25,7 @@ from draftport.capture.capture import CaptureConfig, run_capture
 from draftport.errors import DraftportError
 from draftport.safeio import atomic_write_json, iter_jsonl, read_json
 from draftport.train.config import TrainConfig
-from draftport.verbs import eval as eval_verb
-from draftport.verbs import train as train_verb
+from draftport.verbs import eval as eval_verb, train as train_verb
 from draftport.verbs.flags import config_from
 
 STAGE_FILE = "stage.json"    # written when a stage starts: its config hash
