@@ -47,8 +47,7 @@
 #          an `env` REGEN_ENGINE wins either way.
 # Steering a running chain, by files in $W: `env` (sourced after the defaults, e.g.
 # `TRAIN_STEPS=700 MARKS=500k,2M,5M,10M EARLY_AT=5000000 MORE=0` for a smaller budget), `stop` (skip every stage
-# after the training), `repro` (chat target B beside the training and both floors), `sweep` (+ `sweep_grid`,
-# `sweep_steps`). Logs go to $W/logs, small results to $W/res and $W/recipe. BENCHMARKS.md holds the figures these
+# after the training), `sweep` (+ `sweep_grid`, `sweep_steps`). Logs go to $W/logs, small results to $W/res and $W/recipe. BENCHMARKS.md holds the figures these
 # stages give (each area names its command); docs/log.md what earlier calls taught.
 
 W=${GPU_CALL_DIR:-/tmp/w}
@@ -165,8 +164,6 @@ cmd_chain() {  # the recipe for a full budget, detached (after pre)
   flex_gate || export REGEN_ENGINE=${REGEN_ENGINE:-batch}
   stamp "regeneration engine: ${REGEN_ENGINE:-batch-flex}, ${SAMPLES:-4} answers a prompt"
   bash examples/gpu_recipe.sh data,chat > $L/chat.log 2>&1; stamp "chat rc=$?"
-  local REPRO=
-  if [ -f $W/repro ]; then ( STAGES=repro bash examples/gpu_recipe.sh > $L/repro.log 2>&1; stamp "repro rc=$?" ) & REPRO=$!; fi
   bash examples/gpu_recipe.sh train > $L/train.log 2>&1 &
   local TRAIN=$!
   ( while kill -0 $TRAIN 2>/dev/null && [ ! -f $OUT/train-chat/at-tokens/$EARLY_AT/milestone.json ]; do sleep 5; done
@@ -195,7 +192,6 @@ cmd_chain() {  # the recipe for a full budget, detached (after pre)
       > $L/bench-generate-chat.log 2>&1
     stamp "bench-generate (chat target) rc=$?"
   fi
-  [ -n "$REPRO" ] && wait $REPRO
   touch $W/chain.done; stamp done
 }
 

@@ -1,6 +1,6 @@
 """inventory.py: expected tensors per layout, header-only reading with strict bounds, d2t only.
 
-`write_drafter` (also used by test_compat / test_cli_check) writes a tiny checkpoint whose
+`write_drafter` (also used by test_compat and tests/verbs/test_check.py) writes a tiny checkpoint whose
 tensors are exactly what `expected_inventory` says, so reading it back is an equivalence test.
 """
 

@@ -195,7 +195,7 @@ def test_greedy_speculation_with_random_drafter_is_target_greedy(targets, family
 def test_engine_asks_the_native_pass_for_one_attention_shape(targets):
     """invariant on (the default on CUDA): every target pass of the engine (prefill, 1-token steps, k-token
     verifies) asks native.attend for its padding, so in bf16 on a GPU a verify reproduces the step's rounding and
-    speculative greedy stays the no-speculation text (measured: see BENCHMARKS.md, bf16 speculative greedy).
+    speculative greedy stays the no-speculation text (measured: see BENCHMARKS.md, End-to-end speed and bf16 exactness).
     That the padding gives one shape is tests/model/test_native.py's. On the CPU the default is off."""
     t = targets["llama"]
     assert SpecEngine(t, None, CONFIGS["chain3"]).invariant is False

@@ -24,7 +24,7 @@ window on sliding layers: model/kvcache.row_masks), in model/kvcache.KVCache's p
              is several elementwise kernels in bf16), several times as many as compiled. With
              cfg.decode_attention "flex" each row's attention reads only the key blocks it can see (the
              dense step reads all max_len slots of every row, most of the step's time at a large batch
-             and a long cache; measured: see BENCHMARKS.md, batched generation);
+             and a long cache; measured: see BENCHMARKS.md, Regeneration: batch engine vs HF generate);
     refill   rows found done are read back and given the next pending (prompt, sample): continuous
              batching, so a long answer does not hold a batch of short ones hostage.
 
@@ -77,7 +77,7 @@ class BatchConfig:
                                    # shapes (every refill has its own rows × length), apart from the decode step's
                                    # (native.PREFILL_SCOPE). None: on CUDA with the native pass, like compile_decode
                                    # (faster than the plain prefill at many rows; measured: see BENCHMARKS.md,
-                                   # batched generation); True asks for the native pass
+                                   # Regeneration: batch engine vs HF generate); True asks for the native pass
 
     def checked(self) -> "BatchConfig":
         if self.batch_size < 1 or self.max_len < 2 or self.check_every < 1 or self.prefill_tokens < 1:
@@ -257,10 +257,10 @@ class BatchGenerator:
 
     def _piece_block(self, prompts: list[torch.Tensor], rows: list[int], group: list[tuple[int, int, int]]):
         """One prefill forward's inputs for `group` [(prompt index, start, end)]: ids [b, T] (pieces left-aligned,
-        zero-padded), positions qpos [b, T] and cache rows [b], built on the host and copied once each (built on
-        the device, a copy and a clamp a row make the host, not the GPU, set a many-row prefill's time;
-        measured: see BENCHMARKS.md, batched generation). The pad tail gets the positions after the piece, capped at
-        the last slot, which never holds a token a query reads (a row stops before its cache is full).
+        zero-padded), positions qpos [b, T] and cache rows [b], built on the host and copied once each (built on the
+        device, a copy and a clamp a row make the host, not the GPU, set a many-row prefill's time; measured: see
+        BENCHMARKS.md, Regeneration: batch engine vs HF generate). The pad tail gets the positions after the piece,
+        capped at the last slot, which never holds a token a query reads (a row stops before its cache is full).
 
         With the prefill compiled (dynamic shapes) the block is padded to at least 2 rows and to more than
         SMALL_QUERY_ROWS query rows a key head: Dynamo specialises a size of 1, and `attend` branches at that

@@ -15,8 +15,8 @@ import torch
 def sdpa_context(choice: str):
     """The scaled-dot-product-attention kernels a target pass may use. Why choose: the default (cuDNN)
     kernel is slow for a multi-token verify against a masked cache and fast for one token, and the best
-    kernel depends on the shape, so graphed passes try each ("auto"; measured: see BENCHMARKS.md, fewer
-    kernels per target pass)."""
+    kernel depends on the shape, so graphed passes try each ("auto"; docs/log.md,
+    the target pass)."""
     if choice in ("auto", "default"):
         return contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel

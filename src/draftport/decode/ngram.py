@@ -33,8 +33,8 @@ DEFAULT_NGRAM_MIN = 1
 # Hybrid: the n-gram draft replaces the trained drafter's when its match is at least this long.
 # The n-gram draft's τ rises with the match length m it came from (benchmarks/ngram_match_tau.py scores it
 # at every position): on chat text a 1-token match accepts less than a drafter trained by `draftport train`
-# does on average at depth 3, a 2-token match more; so M = 2 (measured: see BENCHMARKS.md, prompt-lookup
-# floor and hybrid). This weighs the n-gram τ at m against the drafter's mean τ, not against its τ at those
+# does on average at depth 3, a 2-token match more; so M = 2 (measured: see BENCHMARKS.md,
+# Acceptance vs the prompt-lookup floor). This weighs the n-gram τ at m against the drafter's mean τ, not against its τ at those
 # same positions: the hybrid runs at M = 1, 2, 3 on the GPU (bench_decode.py's engine section) decide it
 # for a given drafter.
 DEFAULT_MIN_MATCH = 2

@@ -16,8 +16,9 @@ SDPA_CHOICES = ("auto", "default", "efficient", "math", "cudnn")  # --sdpa: deco
 TARGET_PASSES = ("auto", "hf", "native")   # --target-pass: model/native.choose_target_pass
 NATIVE_COMPILE = ("layer", "whole")         # --native-compile: the scopes model/native.py compiles on CUDA
 DECODE_ATTENTION = ("dense", "flex")        # the batch engine's decode-step attention
-# --regen-engine: the static-cache batch engine, the same with flex decode attention (each row reads only its
-# visible key blocks: faster than the dense step; measured: see BENCHMARKS.md, Regeneration), or HF generate
+# --regen-engine: the static-cache batch engine, the same with flex decode attention (each row reads only its visible
+# key blocks: faster than the dense step; measured: see BENCHMARKS.md, Regeneration: batch engine vs HF generate), or
+# HF generate
 BATCH_ENGINES = ("batch", "batch-flex")
 REGEN_ENGINES = BATCH_ENGINES + ("hf",)
 NGRAM = "ngram"                             # --drafter ngram: prompt lookup, no checkpoint (a directory of that

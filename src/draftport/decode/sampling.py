@@ -57,12 +57,11 @@ def race_pick(logits: torch.Tensor, noise: torch.Tensor, temperature: float) -> 
     """The exponential race on logits, no top-p: logits [..., V] and noise E [..., V] ~ Exp(1) → [...] int64.
 
     argmax(softmax(l / T) / E) == argmax(l / T − log E): the softmax's normaliser is one constant a row and log
-    is increasing, so this draws the same token as `sample(warp_probs(l, T), ·)` given the same E (up to fp32
-    rounding at an exact tie). Written this way it is one elementwise pass feeding one reduction, which Inductor
-    fuses into a single kernel reading the logits and the noise once: materialising fp32 logits, softmax and p / E
-    over every row × vocabulary entry is a large share of the batch engine's sampled step (measured: see
-    BENCHMARKS.md, batched generation). The clamp keeps an E of exactly 0 (possible on the CPU) a finite, dominant
-    score."""
+    is increasing, so this draws the same token as `sample(warp_probs(l, T), ·)` given the same E (up to fp32 rounding
+    at an exact tie). Written this way it is one elementwise pass feeding one reduction, which Inductor fuses into a
+    single kernel reading the logits and the noise once: materialising fp32 logits, softmax and p / E over every row ×
+    vocabulary entry is a large share of the batch engine's sampled step (measured: see BENCHMARKS.md, Regeneration:
+    batch engine vs HF generate). The clamp keeps an E of exactly 0 (possible on the CPU) a finite, dominant score."""
     return (logits.float() / temperature - noise.clamp_min(torch.finfo(torch.float32).tiny).log()).argmax(-1)
 
 

@@ -86,7 +86,7 @@ def first_layer_input(embeds: Tensor, hidden: Tensor, w_embed: Tensor, w_hidden:
 
 # Why: in an eager TTT training step each norm, rotation and act·up runs as several separate kernels,
 # each a full memory pass in fp32, and that elementwise work is a large share of the step (measured: see
-# BENCHMARKS.md, drafter training throughput). Inside
+# BENCHMARKS.md, Training throughput vs SpecForge). Inside
 # `compiled_elementwise()` the modules call torch.compile'd versions of the pure functions above, one
 # fused kernel each, with autograd through them. Outside it (decoding, export, tests) nothing changes.
 # Each compiled region also costs host time on every call (guards, its autograd node, forward and

@@ -3,8 +3,8 @@
 Why: an eager decode step of a small model such as Gemma-3-270M launches a kernel for every small op,
 and most of them are the RMSNorms' (cast, square, mean, add eps, rsqrt, two multiplies, cast back: a
 kernel each), each a few microseconds, so the step costs many times its memory-bandwidth floor
-(measured: see BENCHMARKS.md, fewer kernels per target pass). Under a CUDA graph the launch cost is gone
-but each kernel still pays its fixed minimum, so the lever is the kernel count.
+(docs/log.md, the target pass). Under a CUDA graph the launch cost is gone but each kernel still pays its
+fixed minimum, so the lever is the kernel count.
 
 `FusedTarget(model)` finds the model's RMSNorm modules and the modelling module's
 `apply_rotary_pos_emb`, builds torch.compile'd replacements (one Triton kernel per norm, one per

@@ -5,7 +5,7 @@ Why: the HF forward pays for its generality on every decode step: per layer a ro
 cache-kwarg plumbing, output capture hooks, three q/k/v and two gate/up matmuls where one would do, and
 (on a 1-token step of a small model) each of those is a kernel launch that costs more than its math, so
 even graphed, the HF step of a small model stays far above its memory-bandwidth floor and behind a plain
-PyTorch decoder of the same shape (measured: see BENCHMARKS.md, native target pass). This module is that
+PyTorch decoder of the same shape (measured: see BENCHMARKS.md, Target pass and decode step vs the plain decoder). This module is that
 plain decoder, reading the HF model's parameters:
 
     weights    no copies. Per layer q/k/v (and their biases) are concatenated once into one [(Hq+2Hkv)·D, H]
@@ -119,14 +119,14 @@ def choose_target_pass(model, choice: str) -> str:
 # The math: plain functions of tensors and constants (what torch.compile sees)
 # ---------------------------------------------------------------------------------------------
 
-# Rows to which an invariant pass pads the inputs of its linear layers and head (0: not padded). It stays 0:
-# the padding changes no token of the held-out text and costs step time (measured: see BENCHMARKS.md, row
-# padding), so it is a diagnostic for benchmarks/bench_match.py's native-rows pass (free when 0: the check is
-# traced away in the compiled, graphed pass). Why it exists: in bf16, a verify of several tokens can round a
-# row one way and the 1-token step another even with the attention padded, so speculative greedy text can
-# leave the no-speculation text at a token whatever was drafted; cuBLAS may pick another GEMM kernel for a
-# linear layer at 1 row than at 8. Padding every pass's rows to one count gives them one shape, as
-# SMALL_QUERY_ROWS does for attention. benchmarks/bench_match.py's native-rows pass turns it on.
+# Rows to which an invariant pass pads the inputs of its linear layers and head (0: not padded). It stays 0: the
+# padding changes no token of the held-out text and costs step time (measured: see BENCHMARKS.md, Target pass and
+# decode step vs the plain decoder), so it is a diagnostic for benchmarks/bench_match.py's native-rows pass (free when
+# 0: the check is traced away in the compiled, graphed pass). Why it exists: in bf16, a verify of several tokens can
+# round a row one way and the 1-token step another even with the attention padded, so speculative greedy text can
+# leave the no-speculation text at a token whatever was drafted; cuBLAS may pick another GEMM kernel for a linear
+# layer at 1 row than at 8. Padding every pass's rows to one count gives them one shape, as SMALL_QUERY_ROWS does for
+# attention. benchmarks/bench_match.py's native-rows pass turns it on.
 INVARIANT_LINEAR_ROWS = 0
 
 
@@ -173,7 +173,7 @@ def attn_in(x, ln, wqkv, bqkv, qn, kn, cos, sin, rows: int = 0, *, hq: int, hkv:
 # Folded query rows (G·T) up to which `attend` computes attention as two matmuls and a softmax instead of
 # calling SDPA. Why: SDPA's kernel for a 1-token query (cuDNN flash) is a prefill kernel: it tiles the
 # queries and walks the keys one block at a time, so 4 query rows leave nearly every SM idle, and for a small
-# model over a long cache it dominates the decode step (measured: see BENCHMARKS.md, native target pass). The
+# model over a long cache it dominates the decode step (measured: see BENCHMARKS.md, Target pass and decode step vs the plain decoder). The
 # matmuls spread the keys over the GPU instead; a prefill (many rows) keeps SDPA, which is fast there.
 SMALL_QUERY_ROWS = 64
 
@@ -191,7 +191,7 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torc
     multiply matrices of one shape. Why: the GEMM kernel chosen for 4 rows and for 16 can round a row's sums
     differently, and in bf16 that is enough for speculative text to leave the no-speculation greedy text;
     fp32 products do not fix it (any difference flips a bf16 rounding somewhere), one shape does, at the cost
-    of a slower step (measured: see BENCHMARKS.md, bf16 speculative greedy). The single-sequence engine asks for
+    of a slower step (measured: see BENCHMARKS.md, End-to-end speed and bf16 exactness). The single-sequence engine asks for
     it on CUDA (its output must not depend on how many tokens a pass verifies); the batch engine decodes one
     token a row every step and does not."""
     B, Hq, T, D = q.shape

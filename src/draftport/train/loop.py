@@ -74,7 +74,7 @@ def guarded_update(opt, gnorm: torch.Tensor, on_device: bool) -> torch.Tensor:
     kernel (found_inf: no update, moments and step count untouched), so the host need not wait for
     the backward; else one host read decides. Why: a host read each step leaves the GPU idle while the
     host catches up, a visible share of a step at the 8B shape (measured with bench_train.py's queued steps:
-    see BENCHMARKS.md, drafter training throughput)."""
+    see BENCHMARKS.md, Training throughput vs SpecForge)."""
     bad = ~torch.isfinite(gnorm.detach())
     if on_device:
         opt.found_inf = bad.float()

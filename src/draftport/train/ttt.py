@@ -132,8 +132,8 @@ def ttt_step(d, hidden, ids, pos, cache, attention):
 # ---------------------------------------------------------------------------------------------
 # a decoder layer as two compiled regions (training on one process)
 
-# Why: the 8B-shaped step is host-bound (measured with bench_train.py: see BENCHMARKS.md, drafter
-# training throughput): the host pays for every compiled region (guards, its autograd node) and for every
+# Why: the 8B-shaped step is host-bound (measured with bench_train.py: see BENCHMARKS.md,
+# Training throughput vs SpecForge): the host pays for every compiled region (guards, its autograd node) and for every
 # eager op with autograd, forward and backward, far more per region than per op. With every norm, RoPE and
 # act·up a region of its own and the matmuls, adds and casts eager in between, one TTT step of a
 # one-layer drafter is several regions and dozens of eager ops. Here a layer is two regions — everything
