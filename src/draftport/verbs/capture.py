@@ -3,13 +3,11 @@ resumable store (capture/capture.py does the work and reports its progress)."""
 
 from __future__ import annotations
 
-import json
 
 from draftport.capture.capture import CaptureConfig, run_capture
+from draftport.verbs.answer import answer
 
 
 def main(cfg: CaptureConfig) -> int:
-    summary = run_capture(cfg)
-    if cfg.json:
-        print(json.dumps(summary))
+    answer(run_capture(cfg), cfg.json)  # capture reports its progress and totals itself
     return 0

@@ -7,7 +7,6 @@ findings and verdicts; this module loads the arguments, runs those checks and pr
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 
@@ -16,6 +15,7 @@ from draftport.check.engines import parse_engines
 from draftport.check.inventory import PICKLE_SUFFIXES, Inventory, read_d2t, read_inventory
 from draftport.check.spec import DrafterSpec, load_drafter_spec, load_target_spec
 from draftport.errors import bad_input
+from draftport.verbs.answer import answer
 
 
 @dataclass
@@ -145,8 +145,5 @@ def render(result: dict) -> None:
 
 def main(cfg: CheckConfig) -> int:
     result = run_check(cfg)
-    if cfg.json:
-        print(json.dumps(result))
-    else:
-        render(result)
+    answer(result, cfg.json, render)
     return _worst_exit(result["verdict"], result.get("target_verdict"))

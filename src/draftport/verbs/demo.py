@@ -17,7 +17,6 @@ default that `draftport demo` runs.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from dataclasses import dataclass
@@ -32,6 +31,7 @@ from draftport.safeio import atomic_write_json
 from draftport.study.demo import EXAMPLES, SEED, demo_report, example_text, first_turns, machine_info
 from draftport.study.report import fmt
 from draftport.study.study import economics_row
+from draftport.verbs.answer import answer
 from draftport.verbs.check import CheckConfig, run_check
 from draftport.verbs.economics import EconomicsConfig, compute
 from draftport.verbs.pipeline import Stages, capture_stage, eval_stage, train_stage
@@ -197,9 +197,5 @@ def render(s: dict, console: Console) -> None:
 
 
 def main(cfg: DemoConfig) -> int:
-    summary = run_demo(cfg)
-    if cfg.json:
-        print(json.dumps(summary))
-    else:
-        render(summary, Console())
+    answer(run_demo(cfg), cfg.json, lambda s: render(s, Console()))
     return 0

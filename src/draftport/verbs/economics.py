@@ -6,13 +6,13 @@ No torch, no scipy: the verb must answer in well under a second (docs/design.md)
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 
 from draftport.economics import (alpha_for_accept_len, break_even_accept_len, cycle_time_ms, max_accept_len,
                                  min_depth_for, required_accept_len, speedup, tok_per_s)
 from draftport.errors import DraftportError
+from draftport.verbs.answer import answer
 
 # What-if rows: the verify pass scaled by these factors, everything else in the cycle unchanged.
 # 1.0 is the measured point; the smaller ones are what CUDA graphs / better kernels would buy.
@@ -170,9 +170,5 @@ def render(result: dict, cfg: EconomicsConfig) -> None:
 
 
 def main(cfg: EconomicsConfig) -> int:
-    result = compute(cfg)
-    if cfg.json:
-        print(json.dumps(result))
-    else:
-        render(result, cfg)
+    answer(compute(cfg), cfg.json, lambda r: render(r, cfg))
     return 0

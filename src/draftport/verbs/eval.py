@@ -26,6 +26,7 @@ from draftport.model.target import load_target
 from draftport.safeio import atomic_write_bytes, atomic_write_json, default_out, sha256_file
 from draftport.study import plots
 from draftport.study.report import fmt
+from draftport.verbs.answer import answer
 
 DEFAULT_TIMING_REPEATS = 20    # calls per isolated step measurement (median taken)
 
@@ -171,14 +172,16 @@ def render_eval(summary: dict, console) -> None:
 def main(cfg: EvalConfig) -> int:
     if cfg.out is None:
         cfg.out = default_out("eval")
-    summary = run_eval(cfg)
-    if cfg.json:
-        print(json.dumps(summary))
-    else:
-        render_eval(summary, Console())
-        render_floor(summary, Console())
-        Console().print(f"wrote {os.path.join(cfg.out, 'summary.json')}")
+    answer(run_eval(cfg), cfg.json, render)
     return 0
+
+
+def render(summary: dict) -> None:
+    """The eval table, the floor beside the drafter, and where the outputs went."""
+    console = Console()
+    render_eval(summary, console)
+    render_floor(summary, console)
+    console.print(f"wrote {os.path.join(summary['config']['out'], 'summary.json')}")
 
 
 def render_floor(summary: dict, console) -> None:

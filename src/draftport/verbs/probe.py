@@ -4,7 +4,6 @@ over two capture stores, `<out>/store-a` and `<out>/store-b`, which a rerun reus
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 
@@ -22,6 +21,7 @@ from draftport.model.target import load_target
 from draftport.safeio import atomic_write_json
 from draftport.study.plots import plot_layer_similarity
 from draftport.study.probe import check_tokenizers, offline_tau, set_aux_layers, store_similarity
+from draftport.verbs.answer import answer
 
 DEFAULT_SAMPLES = 64       # conversations compared (enough for stable CKA at H ≤ 8k; minutes on a CPU)
 DEFAULT_MAX_LEN = 256      # tokens per conversation
@@ -134,9 +134,5 @@ def render(summary: dict, console: Console) -> None:
 
 
 def main(cfg: ProbeConfig) -> int:
-    summary = run_probe(cfg)
-    if cfg.json:
-        print(json.dumps(summary))
-    else:
-        render(summary, Console())
+    answer(run_probe(cfg), cfg.json, lambda s: render(s, Console()))
     return 0

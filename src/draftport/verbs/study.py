@@ -33,7 +33,6 @@ time that would make a drafter pay, v* = τ / baseline − (cycle − verify).
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import time
@@ -51,6 +50,7 @@ from draftport.safeio import atomic_write_json
 from draftport.study.study import (Sizes, build_rows, fit_errors, parse_sizes, ratio_sentence, size_points,
                                    study_report, transfer_data_ratio, unit_label)
 from draftport.train.config import TrainConfig
+from draftport.verbs.answer import answer
 from draftport.verbs.check import CheckConfig, run_check
 from draftport.verbs.pipeline import Stages, capture_stage, eval_stage, train_stage
 from draftport.verbs.probe import ProbeConfig, run_probe
@@ -287,9 +287,5 @@ def render(summary: dict, console: Console) -> None:
 
 
 def main(cfg: StudyConfig) -> int:
-    summary = run_study(cfg)
-    if cfg.json:
-        print(json.dumps(summary))
-    else:
-        render(summary, Console())
+    answer(run_study(cfg), cfg.json, lambda s: render(s, Console()))
     return 0

@@ -3,7 +3,6 @@ one process or torchrun + FSDP2, resumable in the same --out) and print its summ
 
 from __future__ import annotations
 
-import json
 import os
 
 from rich.console import Console
@@ -11,15 +10,15 @@ from rich.table import Table
 
 from draftport.train.config import TrainConfig
 from draftport.train.loop import run_train
+from draftport.verbs.answer import answer
 
 
 def main(cfg: TrainConfig) -> int:
     summary = run_train(cfg)
     if int(os.environ.get("RANK", "0")) != 0:  # every rank returns the summary; one prints it
         return 0
-    render(Console(stderr=True), summary)
-    if cfg.json:
-        print(json.dumps(summary))
+    render(Console(stderr=True), summary)  # on stderr, so --json's stdout stays one object
+    answer(summary, cfg.json)
     return 0
 
 
