@@ -4,7 +4,7 @@ evaluated online on each prompt set, beside the prompt-lookup floor and the hybr
     python examples/learning_curve.py --target chat-target --chat-template gemma --run train-chat \\
         --sets mt-bench,held-out=heldout.jsonl --max-samples 10 --max-new-tokens 200 --depth 3 --out curve
 
-For each (drafter, set) one `draftport eval` (decode/evaluate.run_eval, the target loaded once for all):
+For each (drafter, set) one `draftport eval` (verbs/eval.run_eval, the target loaded once for all):
 no speculation, the drafter, prompt lookup (the floor) and the hybrid on the same prompts. Each result
 lands in OUT/<set>/<mark or final>/summary.json and is reused when the script is rerun (a cut-off call resumes).
 Then OUT/curve.json (every point), OUT/curve.md (a table) and OUT/curve-<set>.png (τ against training

@@ -14,7 +14,7 @@ files (EAGLE's own release) are read only through `torch.load(weights_only=True)
 
 Aux-layer ids: a drafter trained by draftport records the layers it was trained on; a foreign one
 is fed what its config makes its native engine capture (check/layers.py's resolve_aux_layers). Each saved config
-gets the raw ids that make each engine capture exactly those layers (compat.engine_aux_ids):
+gets the raw ids that make each engine capture exactly those layers (layers.engine_aux_ids):
 SGLang reads `eagle_config.eagle_aux_hidden_state_layer_ids`, vLLM only a top-level
 `eagle_aux_hidden_state_layer_ids` (speculators configs keep theirs at the top level too).
 """
