@@ -638,7 +638,7 @@ def test_gpu_study_dry_run_commands_parse(examples_path, tmp_path, monkeypatch):
     assert train.regenerate and train.samples_per_prompt == 2 and train.lm_head_from_target
     assert train.chat_template == "gemma" and train.target == f"{out}/chat-a" and train.data == f"{out}/data/a.jsonl"
     evals = [cfg for v, cfg in verbs if v == "eval"]
-    assert all(e.lookup.hybrid and e.max_samples == 10 and e.max_new_tokens == 200 and e.engine.depth == 3 for e in evals)
+    assert all(e.lookup.hybrid and e.max_samples == 10 and e.max_new_tokens == 200 and e.decoding.depth == 3 for e in evals)
     assert [e.target.split("/")[-1] for e in evals] == ["chat-a", "B-code", "B-chat", "B-long"]
     probes = [cfg for v, cfg in verbs if v == "probe"]
     assert all(p.drafter == f"{out}/drafter-a/final" and p.data == f"{out}/drafter-a/regenerated.jsonl" for p in probes)

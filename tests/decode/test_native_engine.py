@@ -140,7 +140,7 @@ def test_fast_attention_flag_reaches_the_native_pass(targets):
                 settings = {"invariant": True}
             else:
                 cfg = config_from_args(cls, parser.parse_args([verb, "--target", "tiny-llama", *extra, *flag]))
-                settings = {"invariant": cfg.engine.invariant}
+                settings = {"invariant": cfg.decoding.invariant}
             assert settings["invariant"] is asked
             eng = SpecEngine(targets["llama"], None, _cfg(**settings))
             seen = []

@@ -274,7 +274,7 @@ def test_cli_lookup_flags(tiny, tmp_path, capsys):
                                       "--ngram-min", "2", "--ngram-min-match", "3", "--depth", "5"])
     cfg = config_from_args(EvalConfig, args)
     lk = cfg.lookup
-    assert (lk.hybrid, lk.ngram_max, lk.ngram_min, lk.ngram_min_match, cfg.engine.depth) == (True, 4, 2, 3, 5)
+    assert (lk.hybrid, lk.ngram_max, lk.ngram_min, lk.ngram_min_match, cfg.decoding.depth) == (True, 4, 2, 3, 5)
     g = config_from_args(GenerateConfig, build_parser().parse_args(["generate", "--target", "t", "--prompt", "x",
                                                                     "--drafter", "ngram"]))
     assert (g.drafter, g.lookup.hybrid, g.lookup.ngram_max, g.lookup.ngram_min, g.lookup.ngram_min_match) == (

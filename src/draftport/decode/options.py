@@ -2,7 +2,7 @@
 check their configs against them.
 
 `EngineConfig` is the speculative engine's (decode/engine.py) and the one engine-flags dataclass of the verbs
-that decode (`eval` and `generate` hold one); `LookupConfig` is prompt lookup's (decode/ngram.py: `--drafter
+that decode (`eval` and `generate` hold one, as `decoding`); `LookupConfig` is prompt lookup's (decode/ngram.py: `--drafter
 ngram`, the floor, `--hybrid`). The batch engine's config (decode/batch.BatchConfig) takes its choices from here.
 """
 

@@ -252,7 +252,8 @@ def resume_from(latest, model, opt, info, fingerprint: dict, notes: dict):
 @dataclass
 class Trainer:
     """What every step of a run reads, built once by `build_trainer`."""
-    cfg: TrainConfig
+    cfg: TrainConfig           # the flags as given
+    run: TrainConfig           # the same, every default filled in for this device and data (TrainConfig.resolved)
     info: DistInfo
     out: str
     target: Any
@@ -266,20 +267,42 @@ class Trainer:
     params: list
     amp: Callable              # the autocast context of a step (or a null one)
     cache: HeadCache           # the target head's outputs per sample (online and CPU runs)
-    k: int                     # TTT steps
-    B: int                     # global batch (samples)
-    steps: int
-    peak: float                # peak learning rate
-    warmup: int
-    device_guard: bool         # the NaN/Inf skip decided on the device (guarded_update)
-    keep_last: int
     fingerprint: dict          # what a checkpoint must match to be resumed
     notes: dict                # how the drafter started (vocab), kept in every checkpoint
     lengths: Any = None        # training samples' lengths, for length-grouped batches
 
     @property
+    def k(self) -> int:        # TTT steps
+        return self.run.ttt_steps
+
+    @property
+    def B(self) -> int:        # global batch (samples)
+        return self.run.batch_size
+
+    @property
+    def steps(self) -> int:
+        return self.run.steps
+
+    @property
+    def peak(self) -> float:   # peak learning rate
+        return self.run.lr
+
+    @property
+    def warmup(self) -> int:
+        return max(1, round(self.cfg.warmup_ratio * self.run.steps))
+
+    @property
+    def device_guard(self) -> bool:  # the NaN/Inf skip decided on the device (guarded_update)
+        return self.run.device_guard
+
+    @property
     def pad_to(self) -> int:
         return 128 if self.model.attention == "flex" else 1
+
+    @property
+    def rank_slice(self) -> slice:
+        """This rank's share of a global batch."""
+        return parallel.rank_slice(self.B, self.info)
 
 
 @dataclass
@@ -328,11 +351,9 @@ def build_trainer(cfg: TrainConfig, info, out: str, request: dict, target, lates
     fingerprint = {**request, "steps": run.steps, "lr": run.lr, "batch_size": B, "aux_layers": layers,
                    "draft_vocab_size": drafter.spec.draft_vocab_size, "data_fingerprint": data.fingerprint,
                    "num_train": len(train_idx), "dtype": dtype}
-    return Trainer(cfg=cfg, info=info, out=out, target=target, data=data, train_idx=train_idx, val_idx=val_idx,
+    return Trainer(cfg=cfg, run=run, info=info, out=out, target=target, data=data, train_idx=train_idx, val_idx=val_idx,
                    layers=layers, drafter=drafter, model=model, opt=opt, params=params, amp=amp,
-                   cache=HeadCache(cfg.target_cache_mb << 20), k=run.ttt_steps, B=B, steps=run.steps, peak=run.lr,
-                   warmup=max(1, round(cfg.warmup_ratio * run.steps)), device_guard=run.device_guard,
-                   keep_last=run.keep_last, fingerprint=fingerprint, notes=notes,
+                   cache=HeadCache(cfg.target_cache_mb << 20), fingerprint=fingerprint, notes=notes,
                    lengths=data.lengths()[np.asarray(train_idx)] if cfg.group_by_length else None)
 
 
@@ -344,7 +365,7 @@ def train_step(t: Trainer, step: int) -> Step:
         g["lr"] = lr
     gidx, epoch, j = parallel.epoch_batch(step, len(t.train_idx), t.B, t.cfg.seed, lengths=t.lengths,
                                           group=t.cfg.group_by_length)
-    mine = [t.train_idx[i] for i in gidx[parallel.rank_slice(t.B, t.info)]]
+    mine = [t.train_idx[i] for i in gidx[t.rank_slice]]
     batch = t.data.batch(mine, t.layers)
     inp = ttt_inputs(batch, t.target, t.drafter.t2d, t.k, t.info.device, t.info, t.pad_to, keys=mine, cache=t.cache)
     with t.amp():
@@ -400,7 +421,7 @@ def save_checkpoint(t: Trainer, done: int, step: Step, seen: int, meta: dict) ->
                      layers=t.layers)
 
     return str(rundir.save_training_state(t.out, done, t.model, t.opt, t.info, meta, write_model=write_model,
-                                          keep_last=t.keep_last, skip=(EMBED,)))
+                                          keep_last=t.run.keep_last, skip=(EMBED,)))
 
 
 def _run(cfg: TrainConfig, info, target, console) -> dict:
@@ -421,8 +442,7 @@ def _run(cfg: TrainConfig, info, target, console) -> dict:
                                                                         t.notes)
         console.print(f"resuming from {latest} (step {start} of {t.steps})")
     metrics = Metrics(out, start, info)
-    run = cfg.resolved(dev.type, distributed=info.distributed, num_train=len(t.train_idx))
-    log_every, val_every, save_every = run.log_every, run.val_every, run.save_every
+    log_every, val_every, save_every = t.run.log_every, t.run.val_every, t.run.save_every
     slow = float(os.environ.get("DRAFTPORT_TEST_SLOW_STEP_S", "0") or 0)  # test hook: time to kill a run
     if start == 0:
         initial_val = validate(t)

@@ -40,7 +40,7 @@ class EvalConfig:
     max_samples: int | None = None       # prompts evaluated (default: all)
     max_len: int | None = None           # prompt tokens at most (the last ones are kept: the generation prompt)
     max_new_tokens: int | None = None    # tokens generated per prompt (default 128)
-    engine: EngineConfig = field(default_factory=EngineConfig)  # depth, topk, sampling, seed, target-pass kernels
+    decoding: EngineConfig = field(default_factory=EngineConfig)  # depth, topk, sampling, seed, kernels
     lookup: LookupConfig = field(default_factory=LookupConfig)  # prompt lookup (the floor) and --hybrid
     device: str | None = None            # default: cuda when available
     dtype: str | None = None             # default: bf16 on cuda, fp32 on cpu
@@ -56,7 +56,7 @@ class EvalConfig:
 def flag_record(cfg) -> dict:
     """The flags as given, flat (summary.json's config): the engine's and prompt lookup's beside the verb's own."""
     d = asdict(cfg)
-    engine, lookup = d.pop("engine"), d.pop("lookup")
+    engine, lookup = d.pop("decoding"), d.pop("lookup")
     d.update(lookup)
     for key in ("depth", "topk", "num_draft_tokens", "temperature", "top_p", "seed", "fuse", "sdpa", "target_pass",
                 "native_compile"):
@@ -103,14 +103,14 @@ def run_eval(cfg: EvalConfig, *, target=None, drafter=None, console=None) -> dic
     hyb_lk = lookup_for(cfg.lookup, cfg.drafter, hybrid=True) if cfg.lookup.hybrid else None
     if ngram_only and cfg.store is not None:
         raise DraftportError("--store gives a trained drafter's offline τ; --drafter ngram has none", cfg.store)
-    cfg.engine.resolved()                                            # bad engine flags fail before any model loads
+    cfg.decoding.resolved()                                          # bad engine flags fail before any model loads
     if target is None:
         target = load_target(cfg.target, device=cfg.device, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code)
     if drafter is None and not ngram_only:
         drafter = load_drafter_for(cfg.drafter, target)
     prompts = encode_prompts(target, convs, cfg.chat_template, cfg.max_len)
     stops = stop_token_ids(target.tokenizer, cfg.chat_template, target.eos_token_ids)
-    ecfg, base, spec, floor, hyb = eval_engines(cfg.engine, target, drafter, prompts, N, lk, hyb_lk, ngram_only)
+    ecfg, base, spec, floor, hyb = eval_engines(cfg.decoding, target, drafter, prompts, N, lk, hyb_lk, ngram_only)
     run = EvalRun(target, ecfg, base, spec, floor, hyb, lk, hyb_lk, stops, N, ngram_only, flags=flag_record(cfg),
                   timing_repeats=cfg.timing_repeats, hf_baseline=not cfg.no_hf_baseline)
     run.store_result = store_offline(run, drafter, cfg.store, cfg.offline_samples, console)

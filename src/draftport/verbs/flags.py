@@ -1,7 +1,7 @@
 """A verb's dataclass config from flag values: the one way the CLI and the verbs that run other verbs (study,
 demo) build configs. Torch-free: the CLI imports it before it knows which verb runs.
 
-A field whose default is a dataclass (e.g. `eval`'s `engine: EngineConfig`, its `lookup: LookupConfig`) is a group
+A field whose default is a dataclass (e.g. `eval`'s `decoding: EngineConfig`, its `lookup: LookupConfig`) is a group
 of flags shared by several verbs: it is built from the same values, by field name. A name the outer config has
 itself stays the outer config's (`eval --max-len` bounds the prompt; it is not the engine's cache size).
 """

@@ -27,7 +27,7 @@ class GenerateConfig:
     prompt: str                          # user message (chat template applied)
     drafter: str | None = None           # None: plain decoding; 'ngram': prompt lookup
     max_new_tokens: int | None = None    # default 128
-    engine: EngineConfig = field(default_factory=EngineConfig)  # depth, topk, sampling, seed, target-pass kernels
+    decoding: EngineConfig = field(default_factory=EngineConfig)  # depth, topk, sampling, seed, kernels
     lookup: LookupConfig = field(default_factory=LookupConfig)  # prompt lookup and --hybrid
     device: str | None = None
     dtype: str | None = None
@@ -44,14 +44,14 @@ def run_generate(cfg: GenerateConfig, *, target=None, drafter=None) -> dict:
     ngram_only = cfg.drafter == NGRAM and drafter is None
     lk = lookup_for(cfg.lookup, cfg.drafter, hybrid=cfg.lookup.hybrid)  # checks the flags before any model loads
     lk = lk if ngram_only or cfg.lookup.hybrid else None
-    cfg.engine.resolved()
+    cfg.decoding.resolved()
     if target is None:
         target = load_target(cfg.target, device=cfg.device, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code)
     if drafter is None and cfg.drafter is not None and not ngram_only:
         drafter = load_drafter_for(cfg.drafter, target)
     ids = encode_prompts(target, [Conversation([{"role": "user", "content": cfg.prompt}])], cfg.chat_template, None)[0]
     stops = stop_token_ids(target.tokenizer, cfg.chat_template, target.eos_token_ids)
-    ecfg = cfg.engine.sized_for(len(ids), N)
+    ecfg = cfg.decoding.sized_for(len(ids), N)
     engine = SpecEngine(target, drafter, ecfg, lookup=lk)
     speculative = drafter is not None or lk is not None
     if engine.use_graphs:  # capture the graphs first so the reported rate is the decoding's own
