@@ -29,7 +29,6 @@ from draftport.data.store import sample_order
 from draftport.errors import DraftportError
 
 
-
 @dataclass(frozen=True)
 class DistInfo:
     rank: int = 0                 # global rank
@@ -212,15 +211,6 @@ def broadcast_json(obj, info: DistInfo, src: int = 0):
         payload = torch.empty(int(size.item()), dtype=torch.uint8, device=dev)
     dist.broadcast(payload, src)
     return json.loads(payload.cpu().numpy().tobytes().decode("utf-8"))
-
-
-def broadcast_tensor(t: torch.Tensor, info: DistInfo, src: int = 0) -> torch.Tensor:
-    """Broadcast a tensor of known shape/dtype from `src` (e.g. a vocab count vector)."""
-    if not info.distributed:
-        return t
-    moved = t.to(info.device)
-    dist.broadcast(moved, src)
-    return moved.to(t.device)
 
 
 def all_gather_rng(state: torch.Tensor, info: DistInfo) -> list[torch.Tensor]:
