@@ -157,9 +157,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("other", nargs="?", default=None, help="a second drafter to compare against")
     p.add_argument("--target", default=None, help="target dir, config.json or .gguf")
     p.add_argument("--engine", default="both", metavar="ENGINE[@VERSION]",
-                   help="whose loading and aux-id rules to apply: sglang, vllm or both (default); a version picks "
-                        "that release's rules, e.g. sglang@0.5.4, vllm@0.10.1, or sglang@main for what only the "
-                        "engine's main branch has; comma-separate to name both (default: the newest released rules)")
+                   help="whose loading and aux-id rules to apply: sglang, vllm or both (default); a release picks "
+                        "its rules, e.g. sglang@0.5.11, vllm@0.10.1, sglang@0.5.4.post2 (the engine table, read from "
+                        "released wheels; a version outside the releases it read is refused); comma-separate to "
+                        "name both (default: the newest release read)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 
     p = sub.add_parser("economics", help="will speculation pay: tok/s, break-even and required acceptance")
@@ -257,8 +258,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also write the target's embedding (default: speculators format, or a drafter of another "
                         "width than the target, which engines cannot share it with)")
     p.add_argument("--engine", default=None, metavar="ENGINE@VERSION",
-                   help="judge the export by this engine release's rules, e.g. sglang@0.5.4 (default: the newest "
-                        "released rules of the engines the format is for)")
+                   help="judge the export by this engine release's rules, e.g. sglang@0.5.11 (the engine table, "
+                        "read from released wheels; default: the newest release read of the engines the format is for)")
     p.add_argument("--force", action="store_true",
                    help="write even a checkpoint the engine would refuse or load wrong (a warning names the problem)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")

@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from draftport.check.compat import check_drafter, check_drafters, check_target
+from draftport.check.engines import EngineRef
 from draftport.check.layers import capture_layers, engine_aux_ids, engine_raw_ids
 from draftport.errors import DraftportError
 from draftport.check.inventory import read_d2t, read_inventory
@@ -137,17 +138,21 @@ def _target_errors(fx, drafter, target, engines=("sglang", "vllm"), inv=None):
     ("drafter-llama3.1-8b-eagle3-original", "target-llama3.1-8b-instruct", ("vllm",), set()),
     ("drafter-llama3.1-8b-eagle3-original", "target-llama3.1-8b-instruct", ("sglang",), {"architecture_unsupported"}),
     ("drafter-kimi-k2-eagle3-aqmedai", "target-deepseek-v3", ("sglang", "vllm"), {"vocab_mismatch"}),
-    # SGLang's LlamaForCausalLMEagle3 implements neither fc_norm nor norm_output: flagged as ignored
-    ("drafter-qwen3-30b-a3b-eagle3.1-sglang", "target-qwen3-8b", ("sglang",), {"hidden_size_mismatch", "flag_ignored"}),
+    # fc_norm and norm_output: SGLang's LlamaForCausalLMEagle3 reads them from 0.5.12 on, ignores them before
+    ("drafter-qwen3-30b-a3b-eagle3.1-sglang", "target-qwen3-8b", ("sglang",), {"hidden_size_mismatch"}),
+    ("drafter-qwen3-30b-a3b-eagle3.1-sglang", "target-qwen3-8b", (EngineRef("sglang", "0.5.11"),),
+     {"hidden_size_mismatch", "flag_ignored"}),
     ("drafter-llama3.1-8b-eagle3-sglang", "target-qwen3-8b", ("sglang",), {"vocab_mismatch"}),
-    # SGLang's Gemma-3 classes have no set_eagle3_layers_to_capture: the target is unsupported there
+    # SGLang's Gemma-3 classes define set_eagle3_layers_to_capture from 0.5.12 on; vLLM's do not implement SupportsEagle3
     ("drafter-qwen3-8b-eagle3-sglang", "target-gemma3-4b-it-multimodal", ("sglang",),
+     {"vocab_mismatch", "hidden_size_mismatch"}),
+    ("drafter-qwen3-8b-eagle3-sglang", "target-gemma3-4b-it-multimodal", (EngineRef("sglang", "0.5.11"), "vllm"),
      {"vocab_mismatch", "hidden_size_mismatch", "target_unsupported"}),
 ])
 def test_fixture_target_verdicts(fx, drafter, target, engines, errors):
     got, captured = _target_errors(fx, drafter, target, engines)
     assert got == errors
-    assert set(captured) == set(engines)
+    assert set(captured) == {e if isinstance(e, str) else e.engine for e in engines}
 
 
 def test_llama_drafter_on_its_target_reports_layers_and_context(fx):
@@ -178,9 +183,12 @@ def test_checkpoint_problems_against_a_target(tmp_path):
     write_drafter(tmp_path / "nod2t", drop=("d2t",))
     findings, _ = check_target(_drafter(ids=[1, 3, 5]), read_inventory(tmp_path / "nod2t"), target)
     assert "missing_d2t" in _codes(findings, "error")
-    write_drafter(tmp_path / "spec", layout="speculators")  # right config, speculators tensor names
+    write_drafter(tmp_path / "spec", layout="speculators")  # right config, speculators tensor names (layers.0.*)
+    findings, _ = check_target(_drafter(ids=[1, 3, 5]), read_inventory(tmp_path / "spec"), target,
+                               (EngineRef("sglang", "0.5.11"),))
+    assert "tensors_skipped" in _codes(findings, "error")   # one decoder layer, named midlayer
     findings, _ = check_target(_drafter(ids=[1, 3, 5]), read_inventory(tmp_path / "spec"), target, ("sglang",))
-    assert "tensors_skipped" in _codes(findings, "error")
+    assert "tensors_skipped" not in _codes(findings)        # layers.N from 0.5.12 on
 
 
 # ---------------------------------------------------------------------------------------------
@@ -219,7 +227,7 @@ def test_k2_to_k25_style_ids_are_drop_in_on_deepseek_only(fx):
                                                  "num_attention_heads": 64, "vocab_size": 163840}})
     verdict, findings, _ = check_drafters(kimi, specforge_style, target=k25)
     assert verdict == "drop-in" and "aux_ids_raw_differ" in _codes(findings, "info")
-    llama_like = dataclasses.replace(k25, family="llama")
+    llama_like = dataclasses.replace(k25, architecture="LlamaForCausalLM", family="llama")
     verdict, findings, _ = check_drafters(kimi, specforge_style, target=llama_like)
     assert verdict == "warm-start" and "aux_layers_differ" in _codes(findings)
     verdict, findings, _ = check_drafters(kimi, specforge_style, target=None)

@@ -1,14 +1,17 @@
-"""`check` and `export` tell the truth about each serving engine.
+"""`check` and `export` tell the truth about each serving engine, release by release.
 
-One test per case where an engine refuses or silently mis-loads what a reading of the config alone would
-pass, each naming the engine source it encodes (check/engines.py's header gives the commit read), plus the
-export × variant round trip: what `export` writes, `check` calls valid for the engines it is for.
+The rules are the engine table (src/draftport/check/engine_rules.json, which tools/engine_rules.py reads
+from SGLang's and vLLM's released wheels). One test per case where an engine refuses or silently
+mis-loads what a reading of the config alone would pass, each naming the table rule it encodes, plus
+the table's own consistency and the export × variant round trip: what `export` writes, `check` calls
+valid for the engines it is for. No test reads the network: the table is committed.
 """
 
 from __future__ import annotations
 
 import io
 import json
+import re
 from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 
@@ -17,7 +20,9 @@ import torch
 
 from draftport import cli
 from draftport.check.compat import check_target
-from draftport.check.layers import engine_aux_ids
+from draftport.check.engines import (EAGLE31_FLAGS, SGLANG_CONDITIONAL, SGLANG_ID_RULES, EngineRef, drafter_problems,
+                                     parse_engines, releases, rules, table, target_support)
+from draftport.check.layers import capture_layers, engine_aux_ids
 from draftport.verbs.check import CheckConfig, run_check
 from draftport.check.spec import drafter_spec_from_dict, load_target_spec, target_spec_from_dict
 from draftport.errors import DraftportError
@@ -66,49 +71,126 @@ def tiny_target(arch: str, model_type: str, hidden: int = H, layers: int = 32):
 
 
 # ---------------------------------------------------------------------------------------------
+# The table
+def _key(version: str) -> tuple:
+    nums, _, post = version.partition(".post")
+    parts = tuple(int(x) for x in nums.split("."))
+    return parts + (0,) * (4 - len(parts)), int(post) if post else -1
+
+
+def test_engine_table_loads_and_is_consistent():
+    """Every rule's segments start at the first release scanned, are sorted, change value at each
+    boundary, and name a wheel and its sha256 that the table lists as read, as is the release before
+    each boundary (what `tools/engine_rules.py verify` compares)."""
+    t = table()
+    assert t["tool"] == "tools/engine_rules.py"
+    for engine in ("sglang", "vllm"):
+        et = t["engines"][engine]
+        rel = et["releases"]
+        assert [_key(v) for v in rel] == sorted({_key(v) for v in rel})       # sorted, no duplicates
+        assert et["newest"] == rel[-1] and et["newest"] in et["read"] and set(et["read"]) <= set(rel)
+        for version, wheel in et["read"].items():
+            assert wheel["wheel"].endswith(".whl") and wheel["wheel"].split("-")[1] == version
+            assert re.fullmatch(r"[0-9a-f]{64}", wheel["sha256"])
+        assert et["newest_only"]["newest:registered_not_eagle3"]
+        for key, segs in et["rules"].items():
+            assert segs[0]["since"] == rel[0], key
+            assert [_key(s["since"]) for s in segs] == sorted({_key(s["since"]) for s in segs}), key
+            assert all(a["value"] != b["value"] for a, b in zip(segs, segs[1:])), key
+            for seg in segs:
+                assert et["read"][seg["since"]] == {"wheel": seg["wheel"], "sha256": seg["sha256"]}, key
+            for seg in segs[1:]:
+                assert rel[rel.index(seg["since"]) - 1] in et["read"], key
+            if engine == "sglang" and key.startswith("target:"):
+                assert all(s["value"] is None or s["value"]["ids"] in SGLANG_ID_RULES + (None,) for s in segs), key
+
+
+def test_versions_pick_a_release_and_refuse_outside_the_table():
+    assert parse_engines("both") == (EngineRef("sglang"), EngineRef("vllm"))
+    assert parse_engines("sglang@0.5.4,vllm") == (EngineRef("sglang", (0, 5, 4)), EngineRef("vllm"))
+    assert EngineRef("sglang", "0.5.4.post2").release == "0.5.4.post2"
+    assert EngineRef("sglang", (0, 5, 12)).label == "sglang@0.5.12"
+    assert EngineRef("vllm", "0.10").release == "0.10.0"
+    assert EngineRef("sglang").release == releases("sglang")[-1]
+    first, last = releases("sglang")[0], releases("sglang")[-1]
+    for bad in ("tgi", "sglang@new", "sglang,sglang@0.5.4", "sglang@main", "sglang@0.4.9", "vllm@99.0"):
+        with pytest.raises(DraftportError) as e:
+            parse_engines(bad)
+        assert len(str(e.value).splitlines()) == 1
+    with pytest.raises(DraftportError, match=rf"{first} \.\. {last}"):
+        parse_engines("sglang@0.4.9")
+
+
+# ---------------------------------------------------------------------------------------------
 # Why 1: Gemma-3 targets
-def test_gemma3_target_is_incompatible_for_both_engines(tmp_path):
-    """SGLang python/sglang/srt/models/gemma3_causal.py (@8dac1b72) defines no set_eagle3_layers_to_capture,
-    which model_runner calls on every EAGLE-3 launch; vLLM vllm/config/speculative.py accepts EAGLE-3 only
-    for model types containing one of its list (llama, qwen, …), and "gemma3_text" contains none."""
-    cfg = config(eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 16, 30]})  # (vocab differs too: also an error)
-    d = tmp_path / "d"
-    save_drafter(make(cfg), d, format="sglang", target=None)
-    r = check(d, target=GEMMA3_MM)
-    assert r["engine_verdicts"] == {"sglang": "incompatible", "vllm": "incompatible"}
-    for e in ("sglang", "vllm"):
-        assert "target_unsupported" in errors(r, e)
-    # the text-only Gemma-3 target too; SGLang main (gemma3_causal.py @038c87d4) adds the hook there only
-    text = tiny_target("Gemma3ForCausalLM", "gemma3_text")
-    spec = drafter_spec_from_dict(config())
-    found, _ = check_target(spec, None, text, ("sglang", "vllm"))
-    assert {f["engine"] for f in found if f["code"] == "target_unsupported"} == {"sglang", "vllm"}
-    from draftport.check.engines import EngineRef
-    found, _ = check_target(spec, None, text, (EngineRef("sglang", (10**9,)),))
-    assert not [f for f in found if f["code"] == "target_unsupported"]
-    # Llama, Qwen and DeepSeek/Kimi targets stay served by both (llama.py / qwen3.py / deepseek_v2.py hooks;
-    # vLLM's list holds "llama", "qwen", "deepseek_v3", "kimi_k2")
+def test_gemma3_is_served_by_sglang_from_0_5_12_with_its_plus_one_ids_and_refused_by_vllm(tmp_path):
+    """target:Gemma3ForCausalLM: SGLang's gemma3_causal.py defines set_eagle3_layers_to_capture from 0.5.12
+    on (`[val + 1 for val in layer_ids]`; default [2, L//2, L-3]), which every EAGLE-3 launch calls; 0.5.11
+    has none. vLLM's Gemma3ForCausalLM does not implement SupportsEagle3 in any release read."""
+    text = tiny_target("Gemma3ForCausalLM", "gemma3_text", layers=18)
+    spec = drafter_spec_from_dict(config(eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 8, 14]}))
+    for ref in (EngineRef("sglang"), EngineRef("sglang", "0.5.12")):
+        ok, why = target_support(ref, text.architecture, text.model_type, text.family)
+        assert ok is True, why
+        assert capture_layers(spec, text, "sglang", ref.version) == [2, 9, 15]   # SGLang's +1
+    ok, why = target_support(EngineRef("sglang", "0.5.11"), text.architecture, text.model_type, text.family)
+    assert ok is False and "set_eagle3_layers_to_capture" in why and "0.5.12" in why
+    assert rules(EngineRef("sglang")).first("target:Gemma3ForCausalLM") == "0.5.12"
+    ok, why = target_support(EngineRef("vllm"), text.architecture, text.model_type, text.family)
+    assert ok is False and "SupportsEagle3" in why
+    found, captured = check_target(spec, None, text, ("sglang", "vllm"))
+    assert {f["engine"] for f in found if f["code"] == "target_unsupported"} == {"vllm"}
+    assert captured == {"sglang": [2, 9, 15], "vllm": default_layers(18)}
+    found, _ = check_target(spec, None, text, (EngineRef("sglang", "0.5.11"),))
+    assert [f["engine"] for f in found if f["code"] == "target_unsupported"] == ["sglang"]
+    # the multimodal wrapper hands the ids to its language model (gemma3_mm.py) on SGLang; vLLM refuses it too
+    r = check(_gemma3_mm_drafter(tmp_path / "mm"), target=GEMMA3_MM)
+    assert r["engine_verdicts"] == {"sglang": "compatible", "vllm": "incompatible"}
+    assert "target_unsupported" in errors(r, "vllm") and not errors(r, "sglang")
+    # vLLM serves Gemma-4 (target:Gemma4ForCausalLM), and Llama, Qwen and DeepSeek/Kimi stay served by both
+    gemma4 = tiny_target("Gemma4ForCausalLM", "gemma4_text")
+    assert target_support(EngineRef("vllm"), gemma4.architecture, gemma4.model_type, gemma4.family)[0] is True
     for name in ("target-llama3.1-8b-instruct", "target-qwen3-8b", "target-deepseek-v3"):
         t = load_target_spec(FIXTURES / name)
         found, _ = check_target(spec, None, t)
         assert not [f for f in found if f["code"] in ("target_unsupported", "target_unknown")], name
 
 
-def test_export_refuses_a_gemma3_drafter_unless_forced(tmp_path):
-    """export is judged by the same rules: a drafter recorded as trained on Gemma-3 is refused (exit 2,
-    one line) for SGLang; --force writes it with a warning naming the problem."""
+def _gemma3_mm_drafter(d: Path) -> Path:
+    """A drafter config as wide as the multimodal Gemma-3 fixture's language model, in SGLang's layout."""
+    t = load_target_spec(GEMMA3_MM)
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({
+        **config(), "hidden_size": t.hidden_size, "vocab_size": t.vocab_size,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, t.num_layers // 2, t.num_layers - 4]}}))
+    return d
+
+
+def default_layers(n: int) -> list[int]:
+    return [2, n // 2, n - 3]
+
+
+def test_export_of_a_gemma3_drafter_follows_the_named_release(tmp_path):
+    """export is judged by the same rules: a drafter recorded as trained on Gemma3ForCausalLM exports for
+    SGLang (newest), is refused for `--engine sglang@0.5.11` (exit 2, one line) and for vLLM unless --force,
+    which writes it with a warning naming the problem."""
     src = tmp_path / "src"
     spec_cfg = config(draftport={"trained_layers": [2, 9, 15], "target_architecture": "Gemma3ForCausalLM",
                                  "target_model_type": "gemma3_text", "target_num_layers": 18})
     save_drafter(make(spec_cfg), src, format="sglang")
+    with redirect_stderr(io.StringIO()), redirect_stdout(io.StringIO()):
+        assert cli.main(["export", str(src), "--format", "sglang", "--out", str(tmp_path / "ok")]) == 0
+    written = json.loads((tmp_path / "ok" / "config.json").read_text())
+    assert written["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 8, 14]   # SGLang adds 1
+    for argv in (["--format", "sglang", "--engine", "sglang@0.5.11"], ["--format", "vllm"]):
+        err = io.StringIO()
+        with redirect_stderr(err), redirect_stdout(io.StringIO()):
+            assert cli.main(["export", str(src), *argv, "--out", str(tmp_path / "a")]) == 2
+        assert "target_unsupported" in err.getvalue() and "--force" in err.getvalue()
+        assert len(err.getvalue().splitlines()) == 1 and not (tmp_path / "a").exists()
     err = io.StringIO()
     with redirect_stderr(err), redirect_stdout(io.StringIO()):
-        assert cli.main(["export", str(src), "--format", "sglang", "--out", str(tmp_path / "a")]) == 2
-    assert "target_unsupported" in err.getvalue() and "--force" in err.getvalue() and len(err.getvalue().splitlines()) == 1
-    assert not (tmp_path / "a").exists()
-    err = io.StringIO()
-    with redirect_stderr(err), redirect_stdout(io.StringIO()):
-        assert cli.main(["export", str(src), "--format", "sglang", "--out", str(tmp_path / "b"), "--force"]) == 0
+        assert cli.main(["export", str(src), "--format", "vllm", "--out", str(tmp_path / "b"), "--force"]) == 0
     assert "warning" in err.getvalue() and (tmp_path / "b" / "config.json").exists()
 
 
@@ -116,15 +198,19 @@ def test_export_refuses_a_gemma3_drafter_unless_forced(tmp_path):
 # Why 2: biases
 @pytest.mark.parametrize("flag", ["attention_bias", "mlp_bias"])
 def test_biases_are_an_error_for_sglang_not_vllm(tmp_path, flag):
-    """SGLang python/sglang/srt/models/llama_eagle3.py (@03d5a777): QKVParallelLinear(..., bias=False) and
-    LlamaMLP without bias; load_weights loads a name only `if param_name in params_dict`, so the biases are
-    dropped silently. vLLM llama_eagle3.py (@00bd1493) builds them from attention_bias / mlp_bias."""
+    """drafter:qkv_bias / drafter:mlp_bias: SGLang's LlamaForCausalLMEagle3 builds q/k/v and its MLP without
+    bias in every release read, and its load_weights keeps a name only `if param_name in params_dict`
+    (drafter:unknown_tensors "skipped"), so the biases are dropped silently. vLLM builds them from
+    attention_bias (from 0.16.0 on; before, q/k/v without bias, and AutoWeightsLoader refuses the tensors)
+    and mlp_bias."""
     d = tmp_path / "d"
     save_drafter(make(config(**{flag: True})), d, format="sglang")
     r = check(d, engine="sglang")
     assert r["verdict"] == "invalid" and "bias_dropped" in errors(r, "sglang")
     r = check(d, engine="vllm")
     assert r["verdict"] == "valid" and not errors(r, "vllm")
+    old = check(d, engine="vllm@0.15.0")
+    assert ("bias_unsupported" in errors(old, "vllm")) == (flag == "attention_bias")
     with redirect_stderr(io.StringIO()), redirect_stdout(io.StringIO()):  # and export refuses to write it
         assert cli.main(["export", str(d), "--format", "sglang", "--out", str(tmp_path / "x")]) == 2
         assert cli.main(["export", str(d), "--format", "vllm", "--out", str(tmp_path / "y")]) == 0
@@ -200,8 +286,9 @@ VARIANTS = [  # (format, layers, embedding)
 
 @pytest.mark.parametrize("fmt,layers,emb", VARIANTS, ids=[f"{f}-{n}layer-{'emb' if e else 'noemb'}" for f, n, e in VARIANTS])
 def test_check_calls_every_export_valid_for_its_engines(tmp_path, fmt, layers, emb):
-    """vLLM llama_eagle3.py (@00bd1493) renames midlayer. to layers.0. and builds layers.{i} for i >= 1:
-    draftport's vLLM export writes exactly that, and check expects it there (not SGLang's additional_layers.*)."""
+    """drafter:midlayer_renamed_to / drafter:layer_attrs: vLLM renames midlayer. to layers.0. and builds
+    layers.{i} for i >= 1: draftport's vLLM export writes exactly that, and check expects it there (not
+    additional_layers.*)."""
     from draftport.check.engines import FORMAT_ENGINES
 
     src = tmp_path / "src"
@@ -221,31 +308,40 @@ def test_check_calls_every_export_valid_for_its_engines(tmp_path, fmt, layers, e
 
 
 def test_vllm_check_of_a_two_layer_vllm_export(tmp_path):
-    """`check --engine vllm` on draftport's vLLM export of a two-layer drafter."""
+    """`check --engine vllm` on draftport's vLLM export of a two-layer drafter; SGLang builds one decoder layer
+    up to 0.5.11 (drafter:layers_built) and from 0.5.12 on normalises layers 1.. with hidden_norm, not the
+    input_layernorm they carry (drafter:extra_layer_norm)."""
     d = tmp_path / "d"
     save_drafter(make(config(num_hidden_layers=2)), d, format="vllm", target=LLAMA_TARGET)
     with redirect_stdout(io.StringIO()) as buf:
         rc = cli.main(["check", str(d), "--engine", "vllm", "--json"])
     r = json.loads(buf.getvalue())
     assert (rc, r["verdict"]) == (0, "valid") and not [f for f in r["findings"] if f["severity"] == "error"]
-    with redirect_stdout(io.StringIO()) as buf:  # SGLang builds extra layers as additional_layers.*: it skips these
-        rc = cli.main(["check", str(d), "--engine", "sglang", "--json"])
-    assert rc == 1 and "layers_skipped" in errors(json.loads(buf.getvalue()), "sglang")
+    for engine, code in (("sglang", "layer_norm_differs"), ("sglang@0.5.11", "layers_skipped"),
+                         ("vllm@0.11.0", "layers_unsupported")):
+        with redirect_stdout(io.StringIO()) as buf:
+            rc = cli.main(["check", str(d), "--engine", engine, "--json"])
+        assert rc == 1 and code in errors(json.loads(buf.getvalue()), engine.partition("@")[0]), engine
 
 
 # ---------------------------------------------------------------------------------------------
 # Why 6: EAGLE-3.1 flags, per engine
-@pytest.mark.parametrize("flag", ["fc_norm", "norm_output", "norm_before_fc", "norm_before_residual"])
+@pytest.mark.parametrize("flag", EAGLE31_FLAGS)
 def test_eagle31_flags_per_engine(tmp_path, flag):
-    """SGLang llama_eagle3.py (@03d5a777) reads none of the four; vLLM's speculators path
-    (vllm/transformers_utils/configs/speculators/algos.py update_eagle3 @cfb173ab) copies only
-    norm_before_residual of them, so fc_norm / norm_output / norm_before_fc are dropped there."""
+    """drafter:reads:*: SGLang's llama_eagle3.py reads fc_norm and norm_output from 0.5.12, norm_before_fc from
+    0.5.17, norm_before_residual in no release read. speculators:copies: vLLM's speculators translation
+    (update_eagle3) copies norm_before_residual from 0.10.1, norm_before_fc from 0.19.0, fc_norm and
+    norm_output from 0.25.0; at 0.18.0 the others are dropped there."""
     sg = tmp_path / "sg"
     save_drafter(make(config(**{flag: True})), sg, format="sglang")
-    assert "flag_ignored" in errors(check(sg, engine="sglang"), "sglang")
+    read_now = {"fc_norm": True, "norm_output": True, "norm_before_fc": True, "norm_before_residual": False}[flag]
+    assert rules(EngineRef("sglang")).get(f"drafter:reads:{flag}") is read_now
+    assert ("flag_ignored" in errors(check(sg, engine="sglang"), "sglang")) == (not read_now)
+    assert "flag_ignored" in errors(check(sg, engine="sglang@0.5.11"), "sglang")
     sp = tmp_path / "sp"
     save_drafter(make(config(**{flag: True})), sp, format="speculators", target=LLAMA_TARGET)
-    r = check(sp, engine="vllm")
+    assert check(sp, engine="vllm")["verdict"] == "valid"
+    r = check(sp, engine="vllm@0.18.0")
     if flag == "norm_before_residual":
         assert r["verdict"] == "valid"                   # copied by update_eagle3, read by llama_eagle3.py
     else:
@@ -267,8 +363,9 @@ def test_speculators_refuses_norm_before_fc_with_fc_norm(tmp_path):
 
 
 def test_speculators_config_without_norm_before_residual_differs_on_vllm():
-    """algos.py update_eagle3 (@cfb173ab): `config_dict.get("norm_before_residual", True)`, while the
-    speculators package and draftport default it to false."""
+    """speculators:default:norm_before_residual: vLLM's update_eagle3 reads
+    `config_dict.get("norm_before_residual", True)`, while the speculators package and draftport default
+    it to false."""
     from draftport.check.engines import EngineRef, drafter_problems
 
     spec = drafter_spec_from_dict({"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
@@ -300,22 +397,41 @@ def test_speculators_export_without_target_is_refused(tmp_path):
 
 # ---------------------------------------------------------------------------------------------
 # versions
-def test_engine_versions_parse_and_pick_the_sglang_deepseek_rule():
-    """SGLang deepseek_v2.py: since 0.5.23 eagle_config ids get +1 on DeepSeek/Kimi only when the first is 1;
-    older releases added 1 always (like llama.py)."""
-    from draftport.check.engines import EngineRef, parse_engines
-
-    assert parse_engines("both") == (EngineRef("sglang"), EngineRef("vllm"))
-    assert parse_engines("sglang@0.5.4,vllm") == (EngineRef("sglang", (0, 5, 4)), EngineRef("vllm"))
-    for bad in ("tgi", "sglang@new", "sglang,sglang@0.5.4"):
-        with pytest.raises(DraftportError):
-            parse_engines(bad)
+def test_sglang_deepseek_first_id_rule_flips_at_the_tables_boundary():
+    """target:DeepseekV3ForCausalLM: SGLang's deepseek_v2.py adds 1 to eagle_config ids only when the first is
+    1 from the release the table records (0.5.13); the release before added 1 always, like llama.py."""
+    segs = table()["engines"]["sglang"]["rules"]["target:DeepseekV3ForCausalLM"]
+    boundary = next(s["since"] for s in segs if s["value"] and s["value"]["ids"] == SGLANG_CONDITIONAL)
+    before = releases("sglang")[releases("sglang").index(boundary) - 1]
+    assert boundary == "0.5.13"
     kimi = drafter_spec_from_dict(json.loads((FIXTURES / "drafter-kimi-k2-eagle3-aqmedai" / "config.json").read_text()))
     ds = load_target_spec(FIXTURES / "target-deepseek-v3")
-    from draftport.check.layers import capture_layers
-    assert capture_layers(kimi, ds, "sglang") == [2, 30, 58]
-    assert capture_layers(kimi, ds, "sglang", (0, 5, 4)) == [3, 31, 59]
+    assert capture_layers(kimi, ds, "sglang") == capture_layers(kimi, ds, "sglang", boundary) == [2, 30, 58]
+    assert capture_layers(kimi, ds, "sglang", before) == [3, 31, 59]
     with redirect_stdout(io.StringIO()) as buf:
         cli.main(["check", str(FIXTURES / "drafter-kimi-k2-eagle3-aqmedai"), "--target", str(FIXTURES / "target-deepseek-v3"),
-                  "--engine", "sglang@0.5.4", "--json"])
-    assert json.loads(buf.getvalue())["capture_layers"] == {"sglang": [3, 31, 59]}
+                  "--engine", f"sglang@{before}", "--json"])
+    r = json.loads(buf.getvalue())
+    assert r["capture_layers"] == {"sglang": [3, 31, 59]}
+    note = [f["message"] for f in r["findings"] if f["code"] == "capture_layers"][0]
+    assert f"before {boundary}" in note
+
+
+def test_vllm_reads_no_aux_ids_before_the_release_the_table_records():
+    """aux_ids: vLLM reads a drafter config's top-level ids from 0.11.1 on; before, it captures the target's
+    default layers whatever the config says."""
+    first = rules(EngineRef("vllm")).first("aux_ids")
+    before = releases("vllm")[releases("vllm").index(first) - 1]
+    spec = drafter_spec_from_dict(config(eagle_aux_hidden_state_layer_ids=[1, 15, 28], eagle_config=None))
+    llama = load_target_spec(LLAMA_TARGET)
+    assert capture_layers(spec, llama, "vllm") == capture_layers(spec, llama, "vllm", first) == [1, 15, 28]
+    assert capture_layers(spec, llama, "vllm", before) == default_layers(llama.num_layers)
+
+
+def test_vllm_before_its_first_eagle3_release_serves_nothing():
+    """drafter:class: vLLM's Eagle3LlamaForCausalLM first appears in the release the table records."""
+    first = rules(EngineRef("vllm")).first("drafter:class")
+    before = releases("vllm")[releases("vllm").index(first) - 1]
+    spec = drafter_spec_from_dict(config())
+    assert [p.code for p in drafter_problems(EngineRef("vllm", before), spec)] == ["eagle3_unsupported"]
+    assert not drafter_problems(EngineRef("vllm", first), spec)

@@ -27,6 +27,26 @@ def test_default_aux_layers():
         default_aux_layers(3)
 
 
+def test_sglang_id_rule_is_the_target_class_s_at_the_release():
+    """SGLang's id rule is per registered class (the engine table's target:* rules), not per family: Mistral
+    Large 3 is Llama-like by name, yet from 0.5.13 on it adds 1 only when the first id is 1, like DeepSeek;
+    at 0.5.12 it adds 1 always. Gemma-3 adds 1 from 0.5.12, its first release with the hook."""
+    from draftport.check.layers import engine_aux_ids
+
+    def target(arch, model_type):
+        return target_spec_from_dict({"architectures": [arch], "model_type": model_type, "hidden_size": 64,
+                                      "num_attention_heads": 4, "num_hidden_layers": 12, "vocab_size": 100})
+
+    mistral3, gemma3 = target("MistralLarge3ForCausalLM", "mistral"), target("Gemma3ForCausalLM", "gemma3_text")
+    assert mistral3.family == "llama"
+    d = _drafter(eagle_config={"eagle_aux_hidden_state_layer_ids": [2, 5, 8]})
+    assert capture_layers(d, mistral3, "sglang") == [2, 5, 8]
+    assert capture_layers(d, mistral3, "sglang", "0.5.12") == [3, 6, 9]
+    assert capture_layers(d, gemma3, "sglang") == capture_layers(d, gemma3, "sglang", (0, 5, 12)) == [3, 6, 9]
+    assert engine_aux_ids([3, 6, 9], gemma3, "sglang") == [2, 5, 8]
+    assert engine_aux_ids([3, 6, 9], mistral3, "sglang") == [3, 6, 9]
+
+
 def test_precedence_explicit_then_trained_then_native_engine():
     nested = {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 5, 8]}}
     trained = {**nested, "draftport": {"trained_layers": [3, 6, 9]}}

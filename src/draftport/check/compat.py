@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import os
 
-from draftport.check.engines import (ENGINES, EngineRef, aux_count_problem, drafter_problems, embedding_problem,
-                                     extra_layer_form, target_support)
+from draftport.check.engines import (ENGINES, SGLANG_CONDITIONAL, EngineRef, aux_count_problem, drafter_problems,
+                                     embedding_problem, extra_layer_form, sglang_conditional_since, sglang_id_rule,
+                                     target_support, vllm_reads_aux_ids)
 from draftport.check.inventory import (FROZEN_OR_TRAINING, VOCAB_BUFFERS, Inventory, TensorInfo, canonical_name,
                                        expected_inventory)
 from draftport.check.layers import capture_layers, engine_name, engine_raw_ids, sglang_adds_one, sglang_rule_note
@@ -102,9 +103,10 @@ def check_drafter(spec: DrafterSpec, inv: Inventory | None, about: str = "drafte
 
 def engine_support(spec: DrafterSpec, inv: Inventory | None, engine: str, about: str = "drafter",
                    version: tuple[int, ...] | None = None) -> list[dict]:
-    """What `engine` cannot load, or loads differently from what the config means (severity error).
+    """What `engine` (at `version`; None: the newest release read) cannot load, or loads differently from
+    what the config means (severity error).
 
-    The rules live in engines.py (each citing the engine source it encodes); this turns them into findings.
+    The rules live in engines.py (the engine table read from released wheels); this turns them into findings.
     """
     out: list[dict] = []
     e = engine
@@ -122,31 +124,23 @@ def engine_support(spec: DrafterSpec, inv: Inventory | None, engine: str, about:
         elif spec.architecture not in SGLANG_ARCHS + MLA_ARCHS:
             out.append(finding("warning", "architecture_unknown", f"SGLang may not know architecture {spec.architecture}",
                                engine=e, about=about))
-        count = aux_count_problem(ref, spec.num_aux_layers)
-        if count is not None:
-            out.append(finding("error", count.code, count.message, engine=e, about=about))
-        if inv is not None:
-            skipped = [n for n in inv.tensors if n.startswith("layers.0.")]
-            if skipped and spec.layout != "speculators":
-                out.append(finding("error", "tensors_skipped", f"SGLang names the decoder layer midlayer.* and silently "
-                                   f"skips {_fmt(skipped, 3)}", engine=e, about=about))
-            if "fc.bias" in inv.tensors and not spec.raw.get("bias"):
-                out.append(finding("error", "tensors_skipped", "fc.bias is in the checkpoint but SGLang builds fc without "
-                                   "bias (config has no \"bias\": true) and skips it silently", engine=e, about=about))
         if spec.top_level_aux_ids is not None and spec.nested_aux_ids is None:
             out.append(finding("warning", "aux_ids_ignored", "SGLang reads only eagle_config.eagle_aux_hidden_state_layer_ids; "
                                "the top-level ids are ignored and SGLang uses its default layers", engine=e, about=about))
     else:
-        if spec.nested_aux_ids is not None and spec.top_level_aux_ids is None:
+        if not vllm_reads_aux_ids(version) and (spec.nested_aux_ids is not None or spec.top_level_aux_ids is not None):
+            out.append(finding("warning", "aux_ids_ignored", f"vLLM {ref.release} reads no aux layer ids from the drafter "
+                               "config: it captures the target's default layers", engine=e, about=about))
+        elif spec.nested_aux_ids is not None and spec.top_level_aux_ids is None:
             out.append(finding("warning", "aux_ids_ignored", "vLLM reads only a top-level eagle_aux_hidden_state_layer_ids; "
                                "the eagle_config ids are ignored and vLLM uses its default layers", engine=e, about=about))
         if spec.num_layers > 1 and spec.layout != "speculators" and extra_layer_form(names) is None:
             out.append(finding("warning", "layers_unchecked", f"{spec.num_layers} decoder layers and no weights here: vLLM "
-                               "loads extra layers only as layers.N (draftport's vLLM export), not SGLang's "
-                               "additional_layers.*", engine=e, about=about))
-        if spec.layout != "speculators" and (spec.fc_norm or spec.norm_output or spec.norm_before_fc):
-            out.append(finding("warning", "flag_version", "fc_norm / norm_output / norm_before_fc (EAGLE-3.1) are read only "
-                               "by recent vLLM releases; an older one runs this drafter without them", engine=e, about=about))
+                               "loads extra layers only as layers.N (draftport's vLLM export), not additional_layers.*",
+                               engine=e, about=about))
+    count = aux_count_problem(ref, spec.num_aux_layers)
+    if count is not None:
+        out.append(finding("error", count.code, count.message, engine=e, about=about))
     for p in drafter_problems(ref, spec, names):
         out.append(finding("error", p.code, p.message, engine=e, about=about))
     return out
@@ -179,15 +173,13 @@ def target_findings(target: TargetSpec, engines=ENGINES, about: str = "drafter")
     for ref in _refs(engines):
         ok, why = target_support(ref, target.architecture, target.model_type, target.family)
         if ok is False:
-            label = f"{ref.label}: " if ref.version is not None else ""  # a named release is worth repeating
-            out.append(finding("error", "target_unsupported", f"{label}{why}", engine=ref.engine, about=about))
+            out.append(finding("error", "target_unsupported", why, engine=ref.engine, about=about))
         elif ok is None:
             out.append(finding("warning", "target_unknown", why, engine=ref.engine, about=about))
     return out
 
 
-def _capture_or_none(spec: DrafterSpec, target: TargetSpec | None, engine: str,
-                     version: tuple[int, ...] | None = None) -> list[int] | None:
+def _capture_or_none(spec: DrafterSpec, target: TargetSpec | None, engine: str, version=None) -> list[int] | None:
     try:
         return capture_layers(spec, target, engine, version)
     except DraftportError:
@@ -195,22 +187,29 @@ def _capture_or_none(spec: DrafterSpec, target: TargetSpec | None, engine: str,
 
 
 def _explain_capture(spec: DrafterSpec, target: TargetSpec, engine: str, layers: list[int],
-                     version: tuple[int, ...] | None = None) -> str:
+                     version=None) -> str:
     raw = engine_raw_ids(spec, engine)
     name = "SGLang" if engine == "sglang" else "vLLM"
+    if engine == "vllm" and raw is not None and not vllm_reads_aux_ids(version):
+        return (f"vLLM captures {layers} (vLLM {EngineRef('vllm', version).release} reads no ids from the drafter: "
+                f"its default [2, L//2, L-3] for L={target.num_layers})")
     if raw is None:
         where = "eagle_config ids" if engine == "sglang" else "top-level ids"
         return f"{name} captures {layers} (no {where}: its default [2, L//2, L-3] for L={target.num_layers})"
     if engine == "vllm":
         return f"vLLM captures {layers} (top-level ids used as written)"
-    if target.family == "deepseek":
-        if not sglang_adds_one("deepseek", raw, version):
-            rule = "as written: first id is not 1"
-        else:
-            rule = "+1 because the first id is 1" if EngineRef("sglang", version).at_least((0, 5, 23)) else "+1"
-        note = sglang_rule_note(version)
-        return f"SGLang captures {layers} (eagle_config ids {list(raw)}, {rule} on DeepSeek/Kimi; {note})"
-    return f"SGLang captures {layers} (eagle_config ids {list(raw)} + 1 on {target.family} targets)"
+    arch = target.architecture
+    rule = sglang_id_rule(arch, target.family, version)
+    if rule == SGLANG_CONDITIONAL:
+        how = "+1 because the first id is 1" if sglang_adds_one(target.family, raw, version, arch) else \
+            "as written: first id is not 1"
+        return f"SGLang captures {layers} (eagle_config ids {list(raw)}, {how} on {arch}; " \
+               f"{sglang_rule_note(version, arch, target.family)})"
+    if rule == "as written":
+        return f"SGLang captures {layers} (eagle_config ids {list(raw)} as written on {arch})"
+    since = sglang_conditional_since(arch, target.family)
+    note = f"; {sglang_rule_note(version, arch, target.family)}" if since else ""
+    return f"SGLang captures {layers} (eagle_config ids {list(raw)} + 1 on {arch}{note})"
 
 
 def check_target(spec: DrafterSpec, inv: Inventory | None, target: TargetSpec, engines=ENGINES,

