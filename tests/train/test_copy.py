@@ -27,109 +27,26 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from rich.console import Console
 from draftport.model.formats import load_drafter
 
-QUIET = Console(stderr=True, quiet=True)
+from copying import FIRST, PROMPT, decode_prompts, induction_target, copy_samples, repeated, train_copier
+
 V = 72                 # target vocab; segments draw from ids FIRST..V-1, so a 64-row draft vocab is not the identity
-FIRST = 8
-T = 48                 # training length of target and drafter samples
-PROMPT = 14            # store samples: the first 14 tokens are the prompt, the rest the target's greedy text
 LAYERS = [1, 2, 3]     # aux taps: inputs of decoder layers 1..3
-
-
-def segment(g: torch.Generator) -> torch.Tensor:
-    """6–12 distinct random ids (distinct: a repeated id inside a segment would make the copy ambiguous)."""
-    P = int(torch.randint(6, 13, (1,), generator=g))
-    return torch.randperm(V - FIRST, generator=g)[:P] + FIRST
-
-
-def repeated(seg: torch.Tensor, n: int) -> torch.Tensor:
-    return seg.repeat(n // len(seg) + 1)[:n]
-
-
-def induction_target(steps: int = 450, seed: int = 0):
-    """A 2-layer Llama trained on repeated segments (an induction head forms partway through; the default
-    steps leave a margin), then widened to 4 layers by two layers that add nothing to the residual stream
-    (o_proj, down_proj = 0)."""
-    from transformers import LlamaForCausalLM
-
-    from draftport.model.target import HFTarget, tiny_config, tiny_tokenizer
-
-    def config(layers):
-        c = tiny_config("llama", vocab_size=V, num_hidden_layers=layers, initializer_range=0.02,
-                        num_attention_heads=4, num_key_value_heads=4, head_dim=16)
-        c._attn_implementation, c.architectures = "sdpa", ["LlamaForCausalLM"]
-        return c
-
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        small = LlamaForCausalLM(config(2))
-        deep = LlamaForCausalLM(config(4))
-    g = torch.Generator().manual_seed(seed)
-    opt = torch.optim.AdamW(small.parameters(), lr=3e-3)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3, total_steps=steps, pct_start=0.1)
-    for _ in range(steps):
-        x = torch.stack([repeated(segment(g), T) for _ in range(32)])
-        # positions from 12 on: every segment has repeated by then, the next token is a copy
-        loss = torch.nn.functional.cross_entropy(small(input_ids=x).logits[:, 12:-1].reshape(-1, V),
-                                                 x[:, 13:].reshape(-1))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        sched.step()
-    sd = small.state_dict()
-    for name, w in deep.state_dict().items():
-        if name not in sd:
-            sd[name] = torch.zeros_like(w) if name.endswith(("o_proj.weight", "down_proj.weight")) else w
-    deep.load_state_dict(sd)
-    return HFTarget(deep, tiny_tokenizer(V), aux_layers=LAYERS, source="<induction llama>")
-
-
-def copy_samples(target, n: int, seed: int):
-    """n store samples (input_ids int32, loss_mask) whose response is the target's greedy text: a
-    repeated segment is kept only where the target's argmax equals the next token at every response
-    position, which makes the data exactly its greedy continuation of the 14-token prompt."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.stack([repeated(segment(g), T) for _ in range(n)])
-    with torch.no_grad():
-        argmax = target.forward(x, with_logits=True).logits.argmax(-1)
-    ok = (argmax[:, PROMPT - 1:-1] == x[:, PROMPT:]).all(1)
-    mask = np.zeros(T, dtype=bool)
-    mask[PROMPT:] = True
-    return [(x[b].numpy().astype(np.int32), mask.copy()) for b in range(n) if ok[b]], float(ok.float().mean())
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """(target, store path, train summary, trained drafter) — the whole pipeline once per module."""
-    from draftport.data.store import StoreWriter
-    from draftport.model.drafter import Eagle3Drafter
-    from draftport.capture.capture import capture_shard
-    from draftport.train.config import TrainConfig
-    from draftport.train.loop import run_train
-
     target = induction_target()
     samples, kept = copy_samples(target, 512, seed=1)
     assert kept >= 0.97, f"the target continues only {kept:.2f} of the repeats exactly"
     d = tmp_path_factory.mktemp("copy")
     store = str(d / "store")
-    w = StoreWriter(store, {"hidden_size": target.hidden_size, "aux_layers": LAYERS, "vocab_size": V,
-                            "num_layers": target.num_layers})
-    w.submit(capture_shard(target, [s for s, _ in samples], [m for _, m in samples], 16, 0))  # capture's path
-    w.finish()
-    w.close()
-    summary = run_train(TrainConfig(target="induction-llama", data=store, out=str(d / "run"), batch_size=16,
-                                    ttt_steps=3, steps=300, lr=3e-3, draft_vocab_size=64, device="cpu",
-                                    val_every=0, val_fraction=0.1), target=target, console=QUIET)
+    summary = train_copier(target, samples, LAYERS, store, str(d / "run"), draft_vocab_size=64)
     drafter = load_drafter(summary["final_drafter"], dtype=torch.float32)[0]
     drafter.set_embedding(target.embed_weight)  # engine files carry no embedding: the target's, as the engine does
     return target, store, summary, drafter
-
-
-def decode_prompts(n: int = 16):
-    g = torch.Generator().manual_seed(12345)  # a seed of their own: segments the drafter was not trained on
-    return [segment(g) for _ in range(n)]
 
 
 def test_target_greedy_continues_the_repeat(trained):
