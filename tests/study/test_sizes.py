@@ -123,11 +123,11 @@ def test_report_states_sizes_in_tokens_and_samples(tmp_path):
 
 
 def test_a_target_no_serving_engine_runs_is_studied_not_refused():
-    """Gemma-3: SGLang and vLLM do not run EAGLE-3 on it (check's target_unsupported), draftport's engine does;
-    the study refuses only what makes the drafter unfit for B."""
+    """Gemma-3: vLLM (and SGLang before 0.5.12) does not run EAGLE-3 on it (check's target_unsupported),
+    draftport's engine does; the study refuses only what makes the drafter unfit for B."""
     from draftport.study.study import fit_errors
 
-    serving = {"severity": "error", "code": "target_unsupported", "message": "SGLang's Gemma3ForCausalLM has no …"}
+    serving = {"severity": "error", "code": "target_unsupported", "message": "vLLM 0.34.0's Gemma3ForCausalLM does not implement …"}
     width = {"severity": "error", "code": "fc_width", "message": "fc reads 3×640, B gives 3×1024"}
     warn = {"severity": "warning", "code": "aux_ids_ignored", "message": "vLLM ignores eagle_config ids"}
     assert fit_errors([serving, warn]) == [] and fit_errors([serving, width]) == [width["message"]]

@@ -189,7 +189,8 @@ def size_points(sizes: Sizes, lengths, seed: int = 0, where: str | None = None) 
     return out
 
 
-# check findings about whether a serving engine runs EAGLE-3 on the target at all (SGLang / vLLM on Gemma-3):
+# check findings about whether a serving engine runs EAGLE-3 on the target at all (vLLM on Gemma-3, SGLang
+# before 0.5.12):
 # they decide the engine verdicts, not whether draftport's own engine can feed A's drafter from B
 SERVING_ONLY = {"target_unsupported"}
 

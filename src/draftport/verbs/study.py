@@ -194,7 +194,7 @@ def run_study(cfg: StudyConfig, console: Console | None = None) -> dict:
 
     check = stages.run("check", {"drafter": common["drafter_a"], "target": common["target_b"], "rule": "fit"},
                        lambda d: stage_check(cfg), "check: A's drafter against B")
-    if check["fit_errors"]:  # an engine that cannot serve B (Gemma-3 today) is reported, not fatal: ours runs it
+    if check["fit_errors"]:  # an engine that cannot serve B (vLLM on Gemma-3) is reported, not fatal: ours runs it
         raise DraftportError("A's drafter cannot be fed by target B: " + "; ".join(check["fit_errors"][:3]),
                              cfg.drafter_a)
     layers = study_layers(cfg)
