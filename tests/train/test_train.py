@@ -584,3 +584,23 @@ def test_compiled_ttt_step_equals_eager():
             assert b.abs().max() > 0
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6 * b.abs().max().item())
     assert list(d.state_dict()) == keys
+
+
+def test_a_drafter_of_two_decoder_layers_trains_and_saves(store, tmp_path):
+    """A warm start from a 2-layer drafter trains, and its checkpoints are written in a layout that holds
+    both layers (SGLang's holds one; vLLM's spells the second as layers.1), loading back to the same weights."""
+    from draftport.model.drafter import Eagle3Drafter
+    from draftport.model.formats import load_drafter
+    from draftport.model.target import tiny_target
+    from draftport.train.warm_start import drafter_config
+
+    tg = tiny_target("gemma3")
+    d = Eagle3Drafter.from_config(dict(drafter_config(tg, [2, 4, 5], tg.vocab_size, tg.vocab_size),
+                                       num_hidden_layers=2), seed=0)
+    save_drafter(d, tmp_path / "init", format="vllm", target=tg.spec, layers=[2, 4, 5])
+    s = run_train(_cfg(store, tmp_path / "two", init_from=str(tmp_path / "init"), steps=2), console=QUIET)
+    back, report = load_drafter(s["final_drafter"])
+    assert back.num_layers == 2 and not report.missing and not report.unexpected
+    w = load_file(os.path.join(s["checkpoint"], "resume", "state.safetensors"))
+    torch.testing.assert_close(back.additional_layers[0].mlp.down_proj.weight,
+                               w["model.drafter.additional_layers.0.mlp.down_proj.weight"].to(back.fc.weight.dtype))
