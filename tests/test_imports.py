@@ -7,7 +7,7 @@ Rules (docs/internals.md, "the map of the house"):
    not through any draftport module they import. `draftport check` and `economics` answer in well under a
    second and run without torch; `draftport --help` starts without it.
 2. The parts form layers, each importing only those below it (and root helpers):
-   check < data, model < decode < capture < train < study < verbs < cli. decode/options.py, a torch-free leaf
+   check < data, model < decode < capture, serving < train < study < verbs < cli. decode/options.py, a torch-free leaf
    holding the engines' flags, is readable by every part (model/native.py takes its compile scopes from it).
 3. No import cycles between modules, lazy imports included.
 4. A draftport import inside a function is allowed only to keep torch out of a torch-free module, and its
@@ -28,7 +28,7 @@ import draftport
 HEAVY = ("torch", "transformers", "matplotlib")
 ROOT = pathlib.Path(draftport.__file__).parent
 HELPERS = ("economics", "errors", "safeio")       # root modules every part may import
-LAYERS = {"check": 0, "data": 1, "model": 1, "decode": 2, "capture": 3, "train": 4, "study": 5, "verbs": 6,
+LAYERS = {"check": 0, "data": 1, "model": 1, "decode": 2, "capture": 3, "serving": 3, "train": 4, "study": 5, "verbs": 6,
           "cli": 7, "__main__": 8}
 LEAVES = ("draftport.decode.options",)          # torch-free flag modules every part may read
 LIGHT_MODULES = ("draftport.cli", "draftport.decode.options", "draftport.train.config", "draftport.verbs",

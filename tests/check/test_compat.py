@@ -280,3 +280,20 @@ def test_real_checkpoints_compare_d2t(tmp_path):
     write_drafter(tmp_path / "f16", dict(TINY, torch_dtype="float16"))
     verdict, findings, _ = check_drafters(a, a, inv_a=ia, inv_b=read_inventory(tmp_path / "f16"), target=LLAMA)
     assert verdict == "warm-start" and "dtype_differs" in _codes(findings)
+
+
+def test_serving_class_reads_which_errors_the_engine_raises():
+    """refused: an error the engine raises; runs differently: only errors it does not raise (silent); as trained:
+    no error. Findings of another engine do not count; findings of no engine count for every engine."""
+    from draftport.check.compat import finding, serving_class
+
+    silent = finding("error", "trained_layers_mismatch", "fed other layers", engine="vllm", silent=True)
+    raised = finding("error", "target_unsupported", "no", engine="vllm")
+    other = finding("error", "target_unsupported", "no", engine="sglang")
+    shared = finding("error", "shape_mismatch", "bad shapes")
+    warning = finding("warning", "aux_ids_ignored", "ignored", engine="vllm")
+    assert serving_class([warning, other], "vllm") == "as trained"
+    assert serving_class([silent, other], "vllm") == "runs differently"
+    assert serving_class([silent, raised], "vllm") == "refused"
+    assert serving_class([shared], "vllm") == "refused"
+    assert serving_class([silent], "sglang") == "as trained"

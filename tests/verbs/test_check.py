@@ -151,3 +151,36 @@ def test_real_process_never_imports_torch_and_errors_cleanly(fixtures_dir, tmp_p
     (tmp_path / "config.json").write_text("{")
     p = subprocess.run([sys.executable, "-m", "draftport", "check", str(tmp_path)], capture_output=True, text=True)
     assert p.returncode == 2 and p.stdout == "" and p.stderr.count("\n") == 1 and "malformed JSON" in p.stderr
+
+
+def test_export_takes_the_embedding_from_the_target_directory(tmp_path):
+    """A draftport checkpoint carries no embedding; with --target a layout that needs one (speculators by default,
+    or --include-embedding) takes the target's, read from its safetensors without loading the model."""
+    import torch
+    from safetensors.torch import load_file
+
+    from draftport import cli
+    from draftport.model.drafter import Eagle3Drafter
+    from draftport.model.formats import save_drafter
+    from draftport.model.target import target_embedding, tiny_target
+    from draftport.train.warm_start import drafter_config
+
+    tg = tiny_target("llama")
+    tdir = tmp_path / "target"
+    tg.model.save_pretrained(tdir)
+    tg.tokenizer.save_pretrained(tdir)
+    torch.testing.assert_close(target_embedding(str(tdir)), tg.embed_weight.float())
+    d = Eagle3Drafter.from_config(drafter_config(tg, [2, 4, 5], tg.vocab_size, tg.vocab_size), seed=0)
+    save_drafter(d, tmp_path / "src", format="sglang", target=tg.spec, layers=[2, 4, 5])
+    for fmt, extra in (("speculators", []), ("vllm", ["--include-embedding"])):
+        out = tmp_path / fmt
+        assert cli.main(["export", str(tmp_path / "src"), "--format", fmt, "--out", str(out), "--target", str(tdir),
+                         "--json", *extra]) == 0
+        torch.testing.assert_close(load_file(out / "model.safetensors")["embed_tokens.weight"].float(),
+                                   tg.embed_weight.float())
+    # asked for, and the target is a config without weights: one line, exit 2, nothing written
+    (tmp_path / "cfgonly").mkdir()
+    (tmp_path / "cfgonly" / "config.json").write_text((tdir / "config.json").read_text())
+    assert cli.main(["export", str(tmp_path / "src"), "--format", "vllm", "--out", str(tmp_path / "no"),
+                     "--target", str(tmp_path / "cfgonly"), "--include-embedding"]) == 2
+    assert not (tmp_path / "no").exists()

@@ -23,13 +23,29 @@ from draftport.errors import DraftportError
 
 # ---------------------------------------------------------------------------------------------
 # findings: {severity: error|warning|info, code: stable snake_case, message, [engine], [about]}
-def finding(severity: str, code: str, message: str, *, engine: str | None = None, about: str | None = None) -> dict:
+def finding(severity: str, code: str, message: str, *, engine: str | None = None, about: str | None = None,
+            silent: bool = False) -> dict:
+    """silent: an error the engine does not raise — it loads the drafter and runs it differently than trained."""
     f = {"severity": severity, "code": code, "message": " ".join(message.split())}
     if engine is not None:
         f["engine"] = engine
     if about is not None:
         f["about"] = about
+    if silent:
+        f["silent"] = True
     return f
+
+
+SERVING = ("as trained", "runs differently", "refused")
+
+
+def serving_class(findings: list[dict], engine: str) -> str:
+    """What `engine` does with the drafter, from the error findings that concern it: refuses it (an error it
+    raises), runs it differently than trained (only silent errors), or serves it as trained (no error)."""
+    errors = [f for f in findings if f["severity"] == "error" and f.get("engine") in (None, engine)]
+    if any(not f.get("silent") for f in errors):
+        return "refused"
+    return "runs differently" if errors else "as trained"
 
 
 def _fmt(names, limit: int = 6) -> str:
@@ -78,7 +94,8 @@ def check_drafter(spec: DrafterSpec, inv: Inventory | None, about: str = "drafte
         code = "missing_d2t" if missing == ["d2t"] else "missing_tensors"
         why = (" (draft vocab is smaller than the target's: without d2t engines read draft ids as target ids)"
                if "d2t" in missing else "")
-        out.append(finding("error", code, f"config implies tensors the checkpoint lacks: {_fmt(missing)}{why}", about=about))
+        out.append(finding("error", code, f"config implies tensors the checkpoint lacks: {_fmt(missing)}{why}", about=about,
+                           silent=code == "missing_d2t"))
     if "t2d" in expected and "t2d" not in real:
         out.append(finding("info", "no_t2d", "no t2d buffer (SGLang and vLLM do not need it; training does)", about=about))
     bad = [f"{n} {list(real[n].shape)} (config implies {list(e.shape)})" for n, e in expected.items()
@@ -142,7 +159,7 @@ def engine_support(spec: DrafterSpec, inv: Inventory | None, engine: str, about:
     if count is not None:
         out.append(finding("error", count.code, count.message, engine=e, about=about))
     for p in drafter_problems(ref, spec, names):
-        out.append(finding("error", p.code, p.message, engine=e, about=about))
+        out.append(finding("error", p.code, p.message, engine=e, about=about, silent=p.serve))
     return out
 
 
@@ -230,7 +247,8 @@ def check_target(spec: DrafterSpec, inv: Inventory | None, target: TargetSpec, e
                            "the embedding, t2d and d2t index a different tokenizer", about=about))
     elif s.draft_vocab_size < t.vocab_size and inv is not None and inv.has_weights and "d2t" not in inv.tensors:
         out.append(finding("error", "missing_d2t", f"draft vocab {s.draft_vocab_size} < target vocab {t.vocab_size} "
-                           "but the checkpoint has no d2t: draft ids would be read as target ids", about=about))
+                           "but the checkpoint has no d2t: draft ids would be read as target ids", about=about,
+                           silent=True))
     if t.max_position_embeddings and s.max_position_embeddings < t.max_position_embeddings:
         out.append(finding("warning", "max_position_below_context", f"drafter max_position_embeddings "
                            f"{s.max_position_embeddings} < the target's {t.max_position_embeddings}: beyond that the "
@@ -256,7 +274,8 @@ def check_target(spec: DrafterSpec, inv: Inventory | None, target: TargetSpec, e
                                f"{s.num_aux_layers}", engine=e, about=about))
         if s.trained_layers is not None and tuple(layers) != tuple(s.trained_layers):
             out.append(finding("error", "trained_layers_mismatch", f"trained on layers {list(s.trained_layers)}, "
-                               f"fed {layers}: re-export with `draftport export --target`", engine=e, about=about))
+                               f"fed {layers}: re-export with `draftport export --target`", engine=e, about=about,
+                               silent=True))
     if len(captured) == 2 and captured["sglang"] != captured["vllm"] and s.trained_layers is None:
         out.append(finding("warning", "engines_disagree", f"SGLang feeds layers {captured['sglang']}, vLLM feeds "
                            f"{captured['vllm']}: the drafter was trained on at most one of them", about=about))

@@ -287,6 +287,25 @@ def load_target(name_or_path: str, device: str | torch.device | None = None, dty
     return HFTarget(model, tokenizer, aux_layers=aux_layers, source=source)
 
 
+def target_embedding(name_or_path: str) -> torch.Tensor | None:
+    """The target's input embedding [vocab, hidden] (fp32, CPU); None for a directory without weights (a config).
+    From a model directory only that tensor is read (its safetensors header names it; a target of many shards is
+    never loaded whole); a .gguf file, the embedded default or a tiny-* name loads the model."""
+    from safetensors import safe_open
+
+    source = os.fspath(name_or_path)
+    if os.path.isdir(source):
+        for name in sorted(os.listdir(source)):
+            if not name.endswith(".safetensors"):
+                continue
+            with safe_open(os.path.join(source, name), "pt") as f:
+                keys = [k for k in f.keys() if k.endswith("embed_tokens.weight") and "vision" not in k]
+                if keys:
+                    return f.get_tensor(min(keys, key=len)).float()
+        return None
+    return load_target(source, device="cpu", dtype="fp32").embed_weight.detach().float()
+
+
 # ---------------------------------------------------------------------------------------------------
 # Tiny random targets for tests (every engineer's tests use these)
 # ---------------------------------------------------------------------------------------------------

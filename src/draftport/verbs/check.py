@@ -10,7 +10,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from draftport.check.compat import check_drafter, check_drafters, check_target, embedding_findings, engine_support
+from draftport.check.compat import (check_drafter, check_drafters, check_target, embedding_findings, engine_support,
+                                    serving_class)
 from draftport.check.engines import parse_engines
 from draftport.check.inventory import PICKLE_SUFFIXES, Inventory, read_d2t, read_inventory
 from draftport.check.spec import DrafterSpec, load_drafter_spec, load_target_spec
@@ -84,6 +85,7 @@ def run_check(cfg: CheckConfig) -> dict:
             f["severity"] == "error" and f.get("engine") in (None, e) for f in tf) else "compatible" for e in engines}
         result["target_verdict"] = "incompatible" if "incompatible" in per_engine.values() else "compatible"
         result["engine_verdicts"] = per_engine
+        result["engine_serving"] = {e: serving_class(findings, e) for e in engines}
         result["capture_layers"] = captured
         result.setdefault("verdict", result["target_verdict"])
     if b is None and target is None:
@@ -98,6 +100,7 @@ def run_check(cfg: CheckConfig) -> dict:
         per_engine = {e: "incompatible" if structural or any(f["severity"] == "error" and f.get("engine") == e
                                                              for f in ef) else "compatible" for e in engines}
         result["engine_verdicts"] = per_engine
+        result["engine_serving"] = {e: serving_class(findings, e) for e in engines}
         result["verdict"] = "invalid" if "incompatible" in per_engine.values() else "valid"
     result["findings"] = findings
     result["bytes_read"] = int(nbytes)
@@ -119,7 +122,9 @@ def render(result: dict) -> None:
         line += f"   target: [bold]{result['target_verdict']}[/]"
     console.print(line)
     if result.get("engine_verdicts"):
-        console.print("engines: " + ", ".join(f"{e} {v}" for e, v in result["engine_verdicts"].items()))
+        serving = result.get("engine_serving", {})
+        console.print("engines: " + ", ".join(f"{e} {v}" + (f" ({serving[e]})" if e in serving else "")
+                                              for e, v in result["engine_verdicts"].items()))
     if result.get("capture_layers"):
         console.print("layers captured: " + ", ".join(f"{e} {ids}" for e, ids in result["capture_layers"].items()))
     show_engine = any("engine" in f for f in result["findings"])

@@ -20,6 +20,7 @@ from draftport.check.inventory import read_inventory
 from draftport.check.spec import TargetSpec, load_drafter_spec
 from draftport.errors import DraftportError
 from draftport.model.formats import FORMATS, load_drafter, save_drafter
+from draftport.model.target import target_embedding
 from draftport.safeio import atomic_rename_dir
 
 
@@ -45,6 +46,13 @@ def export_engines(format: str, engine: str | None) -> tuple:
         raise DraftportError(f"--engine {engine}: --format {format} is for {', '.join(FORMAT_ENGINES[format])}, "
                              f"not {', '.join(stray)}")
     return tuple(named.get(e, EngineRef(e)) for e in FORMAT_ENGINES[format])
+
+
+def needs_embedding(spec, cfg: ExportConfig) -> bool:
+    """Will the written layout carry embed_tokens.weight (asked, the speculators format, or another width)?"""
+    if cfg.include_embedding is not None:
+        return cfg.include_embedding
+    return cfg.format == "speculators" or spec.hidden_size != spec.target_hidden_size
 
 
 def export_findings(directory: str, refs, target: TargetSpec | None) -> list[dict]:
@@ -84,6 +92,14 @@ def main(cfg: ExportConfig) -> int:
         raise DraftportError("exists and is not an empty directory (choose another --out or remove it)", out)
     refs = export_engines(cfg.format, cfg.engine)
     drafter, report = load_drafter(cfg.drafter)
+    if drafter.embedding_source == "unset" and cfg.target is not None and needs_embedding(drafter.spec, cfg):
+        # draftport's checkpoints share the target's embedding and do not carry it: --target has it
+        emb = target_embedding(cfg.target)
+        if emb is not None:
+            drafter.set_embedding(emb)
+        elif cfg.include_embedding:
+            raise DraftportError("--include-embedding: the drafter carries no embedding and the target directory "
+                                 "holds no weights to take it from", cfg.target)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".tmp-{out.name}-{os.getpid()}"
     if tmp.exists():

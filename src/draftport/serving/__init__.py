@@ -1,0 +1,1 @@
+"""Real serving engines as backends: what users serve with, driven by draftport."""
