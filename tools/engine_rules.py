@@ -823,7 +823,7 @@ def _tool_hash() -> str:
 class Reader:
     """Downloads (once, into the cache) and reads wheels; keeps what it did for the report."""
     cache: Path
-    downloaded: list[tuple[str, int, float]] = field(default_factory=list)   # (wheel, bytes, seconds)
+    downloaded: list[tuple[str, int, float, float]] = field(default_factory=list)   # (wheel, bytes, start, end)
     reused: list[str] = field(default_factory=list)
     _seen: set = field(default_factory=set)
     _locks: dict = field(default_factory=dict)
@@ -851,7 +851,7 @@ class Reader:
         if had:
             self.reused.append(path.name)
         else:
-            self.downloaded.append((path.name, path.stat().st_size, time.perf_counter() - t))
+            self.downloaded.append((path.name, path.stat().st_size, t, time.perf_counter()))
         return path
 
     def facts(self, engine: Engine, package: str, version: str, exact: str | None = None, fresh: bool = False) -> dict:
@@ -877,9 +877,11 @@ class Reader:
         return pool
 
     def summary(self) -> str:
-        size = sum(b for _, b, _ in self.downloaded)
-        secs = sum(s for _, _, s in self.downloaded)
-        return (f"downloaded {len(self.downloaded)} wheels ({size / 1e6:.0f} MB in {secs:.0f} s), "
+        """What was downloaded: count, size, and the wall time from the first download's start to the last's
+        end (downloads run beside the parsing)."""
+        size = sum(b for _, b, _, _ in self.downloaded)
+        span = max((e for *_, e in self.downloaded), default=0) - min((s for _, _, s, _ in self.downloaded), default=0)
+        return (f"downloaded {len(self.downloaded)} wheels ({size / 1e6:.0f} MB, within {span:.0f} s), "
                 f"{len(self.reused)} from the cache")
 
 
