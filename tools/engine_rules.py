@@ -470,6 +470,7 @@ def drafter_facts(src: Source, module: str, cls_name: str) -> dict:
     out[f"{prefix}:extra_layer_norm"] = _extra_layer_norm(src, layer) \
         if layer is not None and out[f"{prefix}:layers_built"] != "one" else None
     out[f"{prefix}:unknown_tensors"] = _loader(src, cls)
+    out[f"{prefix}:unknown_bias"] = _unknown_bias(src, cls)
     return out
 
 
@@ -509,6 +510,61 @@ def _loader(src: Source, cls: ClassRef) -> str | None:
                 and ast.unparse(n.comparators[0]) == "params_dict":
             return "skipped"
     return None
+
+
+def _unknown_bias(src: Source, cls: ClassRef, depth: int = 0) -> str | None:
+    """What the drafter's loading does with a `*.bias` tensor it has no parameter for (fc.bias, q/k/v or MLP
+    biases the drafter builds without): 'skipped' or 'refused'.
+
+    A loader that indexes params_dict itself skips it where it tests `... in params_dict` (SGLang) and
+    refuses it (KeyError) otherwise. One that hands the tensors to AutoWeightsLoader (vLLM) first hands
+    a child module's tensors to that child's own load_weights: every drafter bias tensor is the `model`
+    child's (the drafter prefixes the rest with `model.`), so its loader decides where it has one;
+    AutoWeightsLoader itself skips a .bias tensor where `.bias` is among its ignore_unexpected_suffixes
+    (from vLLM 0.25.0 its load_weights appends it: "Ignore unexpected biases (typically from GPTQ models)"),
+    and refuses every unexpected tensor otherwise."""
+    found = src.method(cls, "load_weights")
+    if found is None:
+        return None
+    owner, fn = found
+    auto = [n for n in ast.walk(fn) if isinstance(n, ast.Call) and ast.unparse(n.func).split(".")[-1] == "AutoWeightsLoader"]
+    if not auto:
+        guarded = any(isinstance(n, ast.Compare) and len(n.ops) == 1 and isinstance(n.ops[0], (ast.In, ast.NotIn))
+                      and ast.unparse(n.comparators[0]) == "params_dict" for n in ast.walk(fn))
+        return "skipped" if guarded else "refused"
+    model = None
+    for c in src.mro(cls):
+        model = _constructed(src, c, "model")
+        if model is not None:
+            break
+    if depth == 0 and model is not None and src.method(model, "load_weights") is not None:
+        return _unknown_bias(src, model, depth + 1)
+    # `.bias` passed to this loader (ignore_unexpected_suffixes=[..., ".bias"]), or added by the class
+    for call in auto:
+        for kw in call.keywords:
+            if kw.arg == "ignore_unexpected_suffixes" and any(_is_const(n, ".bias") for n in ast.walk(kw.value)):
+                return "skipped"
+    loader = src.resolve(owner.module, auto[0].func)
+    return "skipped" if loader is not None and _ignores_bias(loader) else "refused"
+
+
+def _ignores_bias(loader: ClassRef) -> bool:
+    """Does the AutoWeightsLoader class put `.bias` into self.ignore_unexpected_suffixes (append, extend,
+    += or an assignment that holds the string)?"""
+    for node in loader.node.body:
+        if not isinstance(node, ast.FunctionDef):
+            continue
+        for n in ast.walk(node):
+            if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr in ("append", "extend") \
+                    and ast.unparse(n.func.value) == "self.ignore_unexpected_suffixes" \
+                    and any(_is_const(x, ".bias") for a in n.args for x in ast.walk(a)):
+                return True
+            if isinstance(n, (ast.Assign, ast.AugAssign)):
+                targets = n.targets if isinstance(n, ast.Assign) else [n.target]
+                if any(ast.unparse(t) == "self.ignore_unexpected_suffixes" for t in targets) \
+                        and any(_is_const(x, ".bias") for x in ast.walk(n.value)):
+                    return True
+    return False
 
 
 # ---------------------------------------------------------------------------------------------
