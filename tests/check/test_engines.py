@@ -201,8 +201,8 @@ def test_biases_are_an_error_for_sglang_not_vllm(tmp_path, flag):
     """drafter:qkv_bias / drafter:mlp_bias: SGLang's LlamaForCausalLMEagle3 builds q/k/v and its MLP without
     bias in every release read, and its load_weights keeps a name only `if param_name in params_dict`
     (drafter:unknown_tensors "skipped"), so the biases are dropped silently. vLLM builds them from
-    attention_bias (from 0.16.0 on; before, q/k/v without bias, and AutoWeightsLoader refuses the tensors)
-    and mlp_bias."""
+    attention_bias (from 0.16.0 on; before, q/k/v without bias, and its loader refuses the tensors:
+    drafter:unknown_bias "refused" before 0.25.0) and mlp_bias."""
     d = tmp_path / "d"
     save_drafter(make(config(**{flag: True})), d, format="sglang")
     r = check(d, engine="sglang")
@@ -214,6 +214,40 @@ def test_biases_are_an_error_for_sglang_not_vllm(tmp_path, flag):
     with redirect_stderr(io.StringIO()), redirect_stdout(io.StringIO()):  # and export refuses to write it
         assert cli.main(["export", str(d), "--format", "sglang", "--out", str(tmp_path / "x")]) == 2
         assert cli.main(["export", str(d), "--format", "vllm", "--out", str(tmp_path / "y")]) == 0
+
+
+def test_vllm_drops_bias_tensors_it_does_not_build_from_the_tables_boundary(tmp_path):
+    """drafter:unknown_bias: from 0.25.0 vLLM's AutoWeightsLoader.load_weights appends ".bias" to its
+    ignore_unexpected_suffixes ("Ignore unexpected biases (typically from GPTQ models)") and the drafter's
+    inner LlamaModel loads through it, so an fc.bias, or a q/k/v or MLP bias the drafter builds without, is
+    dropped silently (the drafter loads and runs without it); before, the inner loader's params_dict[name]
+    refuses it. Every other unexpected tensor stays refused (drafter:unknown_tensors)."""
+    first = rules(EngineRef("vllm")).first("drafter:unknown_bias", lambda v: v == "skipped")
+    before = releases("vllm")[releases("vllm").index(first) - 1]
+    assert first == "0.25.0" and rules(EngineRef("vllm", first)).get("drafter:unknown_tensors") == "refused"
+    spec = drafter_spec_from_dict(config())
+    names = ["fc.weight", "fc.bias", "midlayer.self_attn.q_proj.weight", "midlayer.self_attn.q_proj.bias",
+             "midlayer.mlp.down_proj.bias"]
+    for ref in (EngineRef("vllm"), EngineRef("vllm", first)):
+        problems = drafter_problems(ref, spec, names)
+        assert [p.code for p in problems] == ["bias_dropped"] * 3 and all(p.serve for p in problems)
+        assert [p.message.split(":")[0] for p in problems] == ["bias tensors (midlayer.self_attn.q_proj.bias, …)",
+                                                               "bias tensors (midlayer.mlp.down_proj.bias, …)",
+                                                               "fc.bias"]
+    problems = drafter_problems(EngineRef("vllm", before), spec, names)
+    assert [p.code for p in problems] == ["bias_unsupported"] * 3 and not any(p.serve for p in problems)
+    # SGLang skips them in every release read
+    assert {p.code for p in drafter_problems(EngineRef("sglang"), spec, names)} == {"bias_dropped"}
+    # and `check` of a checkpoint that carries an fc.bias: vLLM runs it differently, the release before refuses it
+    from safetensors.torch import load_file, save_file
+    d = tmp_path / "d"
+    save_drafter(make(config()), d, format="vllm")
+    weights = load_file(d / "model.safetensors")
+    save_file({**weights, "fc.bias": torch.zeros(H)}, d / "model.safetensors", metadata={"format": "pt"})
+    for engine, code, serving in (("vllm", "bias_dropped", "runs differently"),
+                                  (f"vllm@{before}", "bias_unsupported", "refused")):
+        r = check(d, engine=engine)
+        assert code in errors(r, "vllm") and r["engine_serving"] == {"vllm": serving}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -15,7 +15,8 @@ list to the first release of every rule. Its keys, per engine:
   aux_ids                 vLLM: what happens to a drafter config's top-level ids (None: not read).
   drafter:*               the Llama EAGLE-3 drafter class each engine builds: biases, fc width, the
                           decoder layers it builds and how it names and normalises them, which EAGLE-3.1
-                          flags it reads, what its loader does with tensors it has no parameter for.
+                          flags it reads, what its loader does with tensors it has no parameter for
+                          (unknown_tensors) and with bias tensors it has no parameter for (unknown_bias).
   speculators:*           vLLM: which keys the speculators config translation (update_eagle3) copies.
   embedding:*             SGLang: the drafter keeps its own embedding when its width differs.
 The table also holds, for the newest release read, the registered classes that are no EAGLE-3 target.
@@ -281,12 +282,15 @@ def drafter_problems(ref: EngineRef, spec, tensor_names=None) -> list[Problem]:
     # a tensor the drafter has no parameter for: SGLang's load_weights keeps a name only if it is a
     # parameter (skipped silently, the drafter runs without it); vLLM's AutoWeightsLoader refuses it
     skips = r.get("drafter:unknown_tensors") == "skipped"
+    # a *.bias tensor it has no parameter for: SGLang skips it like any other; vLLM from 0.25.0 too
+    # (AutoWeightsLoader ignores unexpected .bias tensors), before that its loader refuses it
+    skips_bias = (r.get("drafter:unknown_bias") or r.get("drafter:unknown_tensors")) == "skipped"
 
     def add(code: str, message: str, serve: bool) -> None:
         out.append(Problem(e, code, " ".join(message.split()), serve))
 
     def unloaded(what: str, why: str) -> None:
-        if skips:
+        if skips_bias:
             add("bias_dropped", f"{what}: {r.name}'s drafter {why} and skips those tensors silently, so the drafter "
                 "would run without them", True)
         else:
