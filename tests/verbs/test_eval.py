@@ -294,3 +294,20 @@ def test_cli_lookup_flags(tiny, tmp_path, capsys):
         assert main(common + bad) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and problem in err[0], err
+
+
+def test_backend_vllm_without_vllm_is_one_line_exit_2(tiny, tmp_path, capsys):
+    """--backend vllm|both where vLLM is not installed (this suite's venv): one line naming the package, exit 2,
+    before any model loads and with nothing written."""
+    import importlib.util
+
+    from draftport.cli import main
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here: tests/serving covers the backend")
+    for backend in ("vllm", "both"):
+        code = main(["eval", "--target", tiny["target_dir"], "--drafter", tiny["drafter_dir"], "--backend", backend,
+                     "--out", str(tmp_path / backend)])
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and len(lines) == 1 and "vllm" in lines[0].lower() and "pip install" in lines[0], lines
+        assert not (tmp_path / backend).exists()

@@ -300,7 +300,7 @@ def eval_prompt(run: EvalRun, tally: EvalTally, i: int, conv, p: list[int]) -> N
         tally.offline_cycles += w.cycle_accepts
         tally.offline_positions += w.position_accepts
     tally.rows.append({
-        "index": i, "id": conv.id, "prompt_tokens": len(p), "new_tokens": len(rs.token_ids),
+        "index": i, "id": conv.id, "prompt_tokens": len(p), "new_tokens": len(rs.token_ids), "token_ids": rs.token_ids,
         "cycles": rs.cycles, "accept_len": rs.accept_len, "accept_lens": rs.accept_lens,
         "tok_s": decode_rate(s_tok, s_s), "baseline_tok_s": decode_rate(b_tok, b_s),
         "hf_generate_tok_s": hf, "match_prefix": m, "match": rs.token_ids == ref,

@@ -192,3 +192,52 @@ def run_prompts(engine: VllmEngine, prompts: list[list[int]], max_new_tokens: in
         out.ttft_s.append(float(st.first_token_latency) if st is not None else 0.0)
         out.decode_s.append(float(st.last_token_ts - st.first_token_ts) if st is not None else 0.0)
     return out
+
+
+def run_figures(run: VllmRun) -> dict:
+    """summary.json's figures of one vLLM engine over the prompts."""
+    acc = run.acceptance() if run.depth else {}
+    return {"accept_len": acc.get("accept_len"), "per_position_accept": acc.get("per_position"),
+            "accept_hist": acc.get("accept_hist"), "cycles": acc.get("cycles"),
+            "tok_s": run.decode_tok_s(), "end_to_end_tok_s": run.end_to_end_tok_s(),
+            "ttft_ms": 1000 * sum(run.ttft_s) / len(run.ttft_s) if run.ttft_s else None,
+            "new_tokens": run.new_tokens}
+
+
+def vllm_eval(target_dir: str, spec_config: dict | None, prompts: list[list[int]], max_new_tokens: int, *,
+              temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, stop_token_ids=None,
+              settings: VllmSettings = VllmSettings()) -> tuple[dict, list[list[int]], list[list[int]]]:
+    """The prompts through vLLM without speculation and with `spec_config`, one engine after the other:
+    (summary figures, texts without speculation, texts with it)."""
+    runs, loaded = {}, {}
+    for name, sc in (("no_speculation", None), ("speculative", spec_config)):
+        engine = open_engine(target_dir, sc, settings)
+        try:
+            runs[name] = run_prompts(engine, prompts, max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
+                                     stop_token_ids=stop_token_ids)
+        finally:
+            engine.close()
+        loaded[name] = engine
+    base, spec = runs["no_speculation"], runs["speculative"]
+    figs, base_figs = run_figures(spec), run_figures(base)
+    same = [a == b for a, b in zip(base.token_ids, spec.token_ids)]
+    figs.update({
+        "baseline_tok_s": base_figs["tok_s"], "baseline_end_to_end_tok_s": base_figs["end_to_end_tok_s"],
+        "baseline_ttft_ms": base_figs["ttft_ms"],
+        "speedup": figs["tok_s"] / base_figs["tok_s"] if figs["tok_s"] and base_figs["tok_s"] else None,
+        "exact_match_prompts": sum(same) / len(same) if same and temperature == 0 else None,
+        "aux_layers": list(loaded["speculative"].aux_layers or []) or None,
+        "load_s": {k: round(e.load_s, 2) for k, e in loaded.items()},
+        "speculative_config": spec_config, "dtype": settings.dtype,
+    })
+    return figs, base.token_ids, spec.token_ids
+
+
+def versus(ours: dict, theirs: dict, our_texts: list[list[int]], their_texts: list[list[int]], greedy: bool) -> dict:
+    """draftport's engine beside vLLM on the same prompts: differences of τ and per-position acceptance, and on how
+    many prompts the two speculative texts are the same."""
+    pp = [b - a for a, b in zip(ours.get("per_position_accept") or [], theirs.get("per_position_accept") or [])]
+    tau = (theirs["accept_len"] - ours["accept_len"]) if ours.get("accept_len") and theirs.get("accept_len") else None
+    same = [a == b for a, b in zip(our_texts, their_texts)]
+    return {"tau_diff": tau, "per_position_diff": pp,
+            "same_text_prompts": sum(same) / len(same) if same and greedy else None}

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
+from types import SimpleNamespace
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -20,15 +22,19 @@ from draftport.data.conversations import load_prompts
 from draftport.decode.evaluate import (EvalRun, EvalTally, encode_prompts, eval_engines, eval_prompt, eval_summary,
                                        lookup_for, store_offline, warm_up)
 from draftport.decode.options import DEFAULT_MAX_NEW_TOKENS, NGRAM, EngineConfig, LookupConfig
+from draftport.check.engines import EngineRef
 from draftport.errors import DraftportError
-from draftport.model.formats import load_drafter_for
-from draftport.model.target import load_target
+from draftport.model.formats import load_drafter, load_drafter_for, save_drafter
+from draftport.model.target import load_target, resolve_device, target_embedding
+from draftport.serving.vllm_engine import VllmSettings, require_vllm, speculative_config, versus, vllm_eval
 from draftport.safeio import atomic_write_bytes, atomic_write_json, default_out, sha256_file
 from draftport.study import plots
 from draftport.study.report import fmt
 from draftport.verbs.answer import answer
+from draftport.verbs.export import export_findings
 
 DEFAULT_TIMING_REPEATS = 20    # calls per isolated step measurement (median taken)
+BACKENDS = ("draftport", "vllm", "both")
 
 
 @dataclass
@@ -51,6 +57,7 @@ class EvalConfig:
     json: bool = False                   # one JSON object on stdout
     timing_repeats: int = DEFAULT_TIMING_REPEATS  # calls per isolated step timing
     offline_samples: int = 200           # store samples used for the offline τ at most
+    backend: str = "draftport"           # whose engine decodes: draftport | vllm (its offline engine) | both
 
 
 def flag_record(cfg) -> dict:
@@ -96,6 +103,10 @@ def run_eval(cfg: EvalConfig, *, target=None, drafter=None, console=None) -> dic
     console = console or Console(stderr=True)
     N = check_eval_flags(cfg)
     convs = load_prompts(cfg.prompts, max_samples=cfg.max_samples)   # bad files fail before any model loads
+    if cfg.backend != "draftport":
+        check_vllm_backend(cfg)
+    if cfg.backend == "vllm":
+        return run_vllm_eval(cfg, N, convs, console)
     if cfg.store is not None and not os.path.isdir(cfg.store):
         raise DraftportError("no such capture store directory", cfg.store)
     ngram_only = cfg.drafter == NGRAM and drafter is None             # prompt lookup is the speculative run
@@ -117,7 +128,78 @@ def run_eval(cfg: EvalConfig, *, target=None, drafter=None, console=None) -> dic
     warm_up(run, prompts[0])
     tally = decode_prompts(run, convs, prompts, console)
     summary = eval_summary(run, tally, prompts)
+    if cfg.backend == "both":
+        del target, drafter, run   # vLLM's engine next: draftport's models leave memory first
+        summary["vllm"] = vllm_section(cfg, N, prompts, stops, console)
+        summary["vllm"]["vs_draftport"] = versus(summary, summary["vllm"], [r["token_ids"] for r in tally.rows],
+                                                 summary["vllm"].pop("texts"), cfg.decoding.temperature == 0)
     write_outputs(cfg.out, summary, tally.rows)
+    return summary
+
+
+def check_vllm_backend(cfg: EvalConfig) -> None:
+    """--backend vllm|both: refused before anything loads when it cannot run."""
+    if cfg.backend not in BACKENDS:
+        raise DraftportError(f"--backend {cfg.backend!r}: expected one of {', '.join(BACKENDS)}")
+    require_vllm()
+    if not os.path.isdir(cfg.target):
+        raise DraftportError("--backend vllm: vLLM loads a target from an HF model directory", cfg.target)
+    if cfg.decoding.topk != 1:
+        raise DraftportError("--backend vllm: vLLM verifies chains only (--topk 1)")
+
+
+def vllm_spec_config(cfg: EvalConfig, out_dir: str) -> dict:
+    """vLLM's speculative config for --drafter: its ngram proposer for 'ngram', else the drafter as `export --format
+    vllm --target` writes it (refused, one line, when vLLM's rules say it would refuse or mis-load it)."""
+    k = cfg.decoding.resolved().depth
+    if cfg.drafter == NGRAM:
+        return speculative_config("ngram", k, ngram_min=cfg.lookup.ngram_min, ngram_max=cfg.lookup.ngram_max)
+    drafter, _ = load_drafter(cfg.drafter)
+    emb = target_embedding(cfg.target) if drafter.spec.hidden_size != drafter.spec.target_hidden_size else None
+    if emb is not None and drafter.embedding_source == "unset":
+        drafter.set_embedding(emb)
+    path = os.path.join(out_dir, "drafter-vllm")
+    result = save_drafter(drafter, path, "vllm", target=cfg.target, num_speculative_tokens=k)
+    problems = export_findings(path, (EngineRef("vllm"),), result.aux.target)
+    if problems:
+        p = problems[0]
+        raise DraftportError(f"--backend vllm: vLLM would refuse or mis-load this drafter: {p['message']} "
+                             f"[{p['code']}]", cfg.drafter)
+    return speculative_config("eagle3", k, path)
+
+
+def vllm_section(cfg: EvalConfig, N: int, prompts: list[list[int]], stops: list[int], console) -> dict:
+    """The prompts through vLLM's offline engine without speculation and with the drafter."""
+    dtype = cfg.dtype or ("bf16" if resolve_device(cfg.device).type == "cuda" else "fp32")
+    settings = VllmSettings(dtype={"bf16": "bfloat16", "fp32": "float32"}.get(dtype, dtype),
+                            max_model_len=max(len(p) for p in prompts) + N + cfg.decoding.resolved().depth + 8,
+                            seed=cfg.decoding.seed)
+    console.print(f"vLLM: {len(prompts)} prompts, without speculation, then with {cfg.drafter}")
+    with tempfile.TemporaryDirectory(prefix="draftport-vllm-") as tmp:
+        figs, _, texts = vllm_eval(cfg.target, vllm_spec_config(cfg, tmp), prompts, N,
+                                   temperature=cfg.decoding.temperature, top_p=cfg.decoding.top_p,
+                                   seed=cfg.decoding.seed, stop_token_ids=stops, settings=settings)
+    figs["texts"] = texts
+    return figs
+
+
+def run_vllm_eval(cfg: EvalConfig, N: int, convs, console) -> dict:
+    """--backend vllm: the prompts (encoded by the target's tokenizer, as draftport's own engine does) through
+    vLLM alone; summary.json holds the vLLM section and the flags."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(cfg.target, trust_remote_code=cfg.trust_remote_code)
+    prompts = encode_prompts(SimpleNamespace(tokenizer=tok), convs, cfg.chat_template, cfg.max_len)
+    stops = stop_token_ids(tok, cfg.chat_template)
+    section = vllm_section(cfg, N, prompts, stops, console)
+    texts = section.pop("texts")
+    summary = {"backend": "vllm", "num_prompts": len(prompts), "vllm": section,
+               "config": {**flag_record(cfg), "engine": {"depth": cfg.decoding.resolved().depth, "topk": 1}}}
+    rows = [{"index": i, "id": c.id, "prompt_tokens": len(p), "new_tokens": len(t), "token_ids": t}
+            for i, (c, p, t) in enumerate(zip(convs, prompts, texts))]
+    os.makedirs(cfg.out, exist_ok=True)
+    atomic_write_bytes(os.path.join(cfg.out, "metrics.jsonl"), "".join(json.dumps(r) + "\n" for r in rows).encode())
+    atomic_write_json(os.path.join(cfg.out, "summary.json"), summary)
     return summary
 
 
@@ -177,11 +259,37 @@ def main(cfg: EvalConfig) -> int:
 
 
 def render(summary: dict) -> None:
-    """The eval table, the floor beside the drafter, and where the outputs went."""
+    """The eval table, the floor beside the drafter, vLLM's figures, and where the outputs went."""
     console = Console()
-    render_eval(summary, console)
-    render_floor(summary, console)
+    if summary.get("backend") != "vllm":
+        render_eval(summary, console)
+        render_floor(summary, console)
+    if summary.get("vllm"):
+        render_vllm(summary, console)
     console.print(f"wrote {os.path.join(summary['config']['out'], 'summary.json')}")
+
+
+def render_vllm(summary: dict, console) -> None:
+    """vLLM's offline engine on the same prompts; beside draftport's engine when both ran."""
+    v = summary["vllm"]
+    t = Table(title=f"vLLM ({v['dtype']}, one request at a time): {summary['config']['drafter']}")
+    t.add_column("figure")
+    t.add_column("value", justify="right")
+    rows = [("τ (tokens per cycle)", fmt(v["accept_len"], "{:.3f}")),
+            ("per-position acceptance", " ".join(f"{x:.2f}" for x in v["per_position_accept"] or [])),
+            ("tok/s speculative / no speculation", f"{fmt(v['tok_s'], '{:.1f}')} / {fmt(v['baseline_tok_s'], '{:.1f}')}"),
+            ("speedup", fmt(v["speedup"], "{:.2f}×")),
+            ("time to first token ms (speculative / none)", f"{fmt(v['ttft_ms'])} / {fmt(v['baseline_ttft_ms'])}"),
+            ("greedy text equal to vLLM's without the drafter", fmt(v["exact_match_prompts"], "{:.0%}")),
+            ("aux layers vLLM feeds", str(v["aux_layers"]))]
+    vs = v.get("vs_draftport")
+    if vs:
+        rows += [("τ vLLM − draftport", fmt(vs["tau_diff"], "{:+.3f}")),
+                 ("per-position vLLM − draftport", " ".join(f"{x:+.3f}" for x in vs["per_position_diff"])),
+                 ("same speculative text as draftport's engine", fmt(vs["same_text_prompts"], "{:.0%}"))]
+    for name, value in rows:
+        t.add_row(name, value)
+    console.print(t)
 
 
 def render_floor(summary: dict, console) -> None:
