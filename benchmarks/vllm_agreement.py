@@ -15,7 +15,6 @@ import argparse
 import json
 import os
 import platform
-import shutil
 import sys
 import time
 
@@ -28,7 +27,7 @@ def main() -> None:
     args = ap.parse_args()
     import vllm
 
-    from conftest import DEPTH, build_world, draftport_accepts, eagle3, export, vllm_result
+    from conftest import DEPTH, build_world, draftport_accepts, eagle3, export, shifted_ids, vllm_result
     from draftport.decode.offline import summarize
     from draftport.serving.vllm_engine import speculative_config
 
@@ -36,13 +35,7 @@ def main() -> None:
     t0 = time.perf_counter()
     world = build_world(args.out)
     exported = export(world, world.drafters[1], "vllm", "vllm-1")
-    shifted = os.path.join(args.out, "exports", "vllm-1-shifted")
-    if not os.path.isdir(shifted):
-        shutil.copytree(exported, shifted)
-        path = os.path.join(shifted, "config.json")
-        cfg = json.load(open(path))
-        cfg["eagle_aux_hidden_state_layer_ids"] = [i - 1 for i in cfg["eagle_aux_hidden_state_layer_ids"]]
-        json.dump(cfg, open(path, "w"), indent=2)
+    shifted = shifted_ids(world, exported)
 
     rows = []
     ours = summarize(draftport_accepts(world, exported)[1], DEPTH)

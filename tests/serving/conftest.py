@@ -165,6 +165,21 @@ def export(world: World, drafter_dir: str, fmt: str, name: str, *, embedding: bo
     return out
 
 
+def shifted_ids(world: World, exported: str) -> str:
+    """A copy of an export whose vLLM aux ids are shifted down by one (the negative control: it loads silently)."""
+    import json
+    import shutil
+
+    out = exported.rstrip("/") + "-shifted"
+    if not os.path.isdir(out):
+        shutil.copytree(exported, out)
+        path = os.path.join(out, "config.json")
+        cfg = json.load(open(path))
+        cfg["eagle_aux_hidden_state_layer_ids"] = [i - 1 for i in cfg["eagle_aux_hidden_state_layer_ids"]]
+        json.dump(cfg, open(path, "w"), indent=2)
+    return out
+
+
 def draftport_accepts(world: World, drafter_dir: str | None, depth: int = DEPTH) -> tuple[list, list]:
     """draftport's own engine over the prompts: (new token ids per prompt, accepted drafts per cycle, all prompts)."""
     from draftport.decode.engine import SpecEngine

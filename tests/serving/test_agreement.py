@@ -6,12 +6,9 @@ prompts, one request at a time. The drafter is `draftport export --format vllm` 
 
 from __future__ import annotations
 
-import json
-import os
-
 import pytest
 
-from conftest import DEPTH, LAYERS, draftport_accepts, eagle3, export, vllm_result
+from conftest import DEPTH, LAYERS, draftport_accepts, eagle3, export, shifted_ids, vllm_result
 
 PER_POSITION_TOL = 0.03
 TAU_TOL = 0.05
@@ -62,15 +59,7 @@ def test_shifted_aux_ids_fail_the_comparison(world):
     """Negative control: the same drafter exported with its vLLM aux ids shifted down by one loads silently in
     vLLM (its log names the shifted layers) and no longer accepts what draftport's engine accepts."""
     exported = export(world, world.drafters[1], "vllm", "vllm-1")
-    shifted = os.path.join(world.root, "exports", "vllm-1-shifted")
-    if not os.path.isdir(shifted):
-        import shutil
-
-        shutil.copytree(exported, shifted)
-        cfg_path = os.path.join(shifted, "config.json")
-        cfg = json.load(open(cfg_path))
-        cfg["eagle_aux_hidden_state_layer_ids"] = [i - 1 for i in cfg["eagle_aux_hidden_state_layer_ids"]]
-        json.dump(cfg, open(cfg_path, "w"), indent=2)
+    shifted = shifted_ids(world, exported)
     run, aux = vllm_result(world, eagle3(shifted))
     assert aux == tuple(i - 1 for i in LAYERS)
     ours = figures(draftport_accepts(world, exported)[1])

@@ -36,3 +36,18 @@ def test_eval_backend_both_gives_the_same_acceptance_and_text(world, tmp_path):
     assert abs(v["vs_draftport"]["tau_diff"]) <= TAU_TOL
     assert max(abs(d) for d in v["vs_draftport"]["per_position_diff"]) <= PER_POSITION_TOL
     assert v["tok_s"] > 0 and v["baseline_tok_s"] > 0 and v["ttft_ms"] > 0
+
+
+def test_eval_backend_vllm_alone(world, tmp_path):
+    """--backend vllm: vLLM's section only (the prompts encoded by the target's tokenizer), the same figures."""
+    from draftport.cli import main
+
+    out = tmp_path / "alone"
+    assert main(["eval", "--target", world.target_dir, "--drafter", world.drafters[1], "--backend", "vllm",
+                 "--prompts", prompts_file(world, tmp_path / "prompts.jsonl"), "--max-new-tokens", str(NEW_TOKENS),
+                 "--out", str(out), "--json"]) == 0
+    s = json.loads((out / "summary.json").read_text())
+    assert s["backend"] == "vllm" and "vs_draftport" not in s["vllm"] and s["vllm"]["exact_match_prompts"] == 1.0
+    assert 1.8 <= s["vllm"]["accept_len"] <= 3.0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == len(world.prompts) and all(r["new_tokens"] == NEW_TOKENS for r in rows)
