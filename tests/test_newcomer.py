@@ -20,7 +20,7 @@ def test_a_bad_flag_value_is_one_line_and_exit_2(capsys):
     assert exc.value.code == 2
     out, err = capsys.readouterr()
     assert out == "" and err.count("\n") == 1
-    assert "--cycle-ms: invalid float value: 'abc'" in err and "usage" not in err
+    assert "--cycle-ms: 'abc' is not a number (expected > 0)" in err and "usage" not in err
 
 
 @pytest.mark.parametrize("verb,flags", [("check", ["--engine", "--json"]), ("demo", ["--device", "--restart", "--json"]),

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import math
 import os
 import sys
+from dataclasses import dataclass
 
 from draftport.check.layers import validate_aux_ids
 from draftport.decode.options import NATIVE_COMPILE, REGEN_ENGINES, SDPA_CHOICES, TARGET_PASSES
@@ -40,6 +42,47 @@ WRITING_VERBS = {"capture", "train", "eval", "probe", "export", "study", "demo"}
 def config_from_args(cls, args: argparse.Namespace):
     """Build a verb's dataclass config from the parsed flags (verbs/flags.config_from)."""
     return config_from(cls, vars(args))
+
+
+MAX_COUNT = 2**31 - 1   # the largest count a flag takes: beyond it torch's indices and shapes overflow
+
+
+@dataclass(frozen=True)
+class Number:
+    """An argparse type: a finite int or float within its range, refused in one line naming the range
+    (argparse adds the flag) before anything loads. lo: inclusive; above: exclusive lower bound."""
+    kind: type = int
+    lo: float | None = None
+    above: float | None = None
+    hi: float | None = None
+
+    @property
+    def __name__(self) -> str:   # argparse names the type in "invalid <name> value" messages
+        return "integer" if self.kind is int else "number"
+
+    def range_text(self) -> str:
+        low = f">= {self.lo:g}" if self.lo is not None else f"> {self.above:g}" if self.above is not None else ""
+        high = f"<= {self.hi:g}" if self.hi is not None else ""
+        return " and ".join(x for x in (low, high) if x)
+
+    def __call__(self, text: str):
+        try:
+            value = self.kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if self.kind is int else 'a number'} "
+                                              f"(expected {self.range_text()})") from None
+        if (self.kind is float and not math.isfinite(value)) or (self.lo is not None and value < self.lo) or \
+                (self.above is not None and value <= self.above) or (self.hi is not None and value > self.hi):
+            raise argparse.ArgumentTypeError(f"{text} is out of range (expected {self.range_text()})")
+        return value
+
+
+COUNT = Number(int, lo=1, hi=MAX_COUNT)              # sizes, steps, tokens: at least one
+NON_NEGATIVE = Number(int, lo=0, hi=MAX_COUNT)       # 0 has a meaning (off, the first seed)
+POSITIVE = Number(float, above=0)                   # rates, times, learning rates
+TEMPERATURE = Number(float, lo=0)                   # 0 = greedy
+TOP_P = Number(float, above=0, hi=1)
+ACCEPT_LEN = Number(float, lo=1)                    # τ counts the target's own token
 
 
 def _int_list(text: str) -> list[int]:
@@ -76,24 +119,24 @@ def _add_common(p: argparse.ArgumentParser, *, target=False, data=False, out=Fal
     if out:
         p.add_argument("--out", default=None, help="output directory (default ./draftport-runs/<verb>-<UTC time>/)")
     if samples:
-        p.add_argument("--max-samples", type=int, default=None, help="use at most N samples")
-        p.add_argument("--max-len", type=int, default=None, help="tokens per sample at most")
-        p.add_argument("--batch-size", type=int, default=None)
+        p.add_argument("--max-samples", type=COUNT, default=None, help="use at most N samples")
+        p.add_argument("--max-len", type=COUNT, default=None, help="tokens per sample at most")
+        p.add_argument("--batch-size", type=COUNT, default=None)
     if device:
         p.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda when available")
         p.add_argument("--dtype", default=None, choices=["bf16", "fp32"], help="default: bf16 on cuda, fp32 on cpu")
     if seed:
-        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--seed", type=NON_NEGATIVE, default=0)
     if template:
         p.add_argument("--chat-template", default=None,
                        help="named template (llama3, qwen, gemma, kimi-k2, plain …); default: the tokenizer's own, else plain")
     if gen:
-        p.add_argument("--max-new-tokens", type=int, default=None)
-        p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-        p.add_argument("--top-p", type=float, default=1.0)
-        p.add_argument("--depth", type=int, default=None, help="draft depth k (chain default 3, tree default 5)")
-        p.add_argument("--topk", type=int, default=1, help="1 = chain; >1 = EAGLE-2 dynamic tree")
-        p.add_argument("--num-draft-tokens", type=int, default=None, help="tree: tokens verified per cycle (default 8)")
+        p.add_argument("--max-new-tokens", type=COUNT, default=None)
+        p.add_argument("--temperature", type=TEMPERATURE, default=0.0, help="0 = greedy")
+        p.add_argument("--top-p", type=TOP_P, default=1.0)
+        p.add_argument("--depth", type=COUNT, default=None, help="draft depth k (chain default 3, tree default 5)")
+        p.add_argument("--topk", type=COUNT, default=1, help="1 = chain; >1 = EAGLE-2 dynamic tree")
+        p.add_argument("--num-draft-tokens", type=COUNT, default=None, help="tree: tokens verified per cycle (default 8)")
         p.add_argument("--fuse", action=argparse.BooleanOptionalAction, default=None,
                        help="compiled norms / rotary and grouped attention in the target pass (default: on CUDA)")
         p.add_argument("--sdpa", default="auto", choices=list(SDPA_CHOICES),
@@ -114,25 +157,25 @@ def _add_common(p: argparse.ArgumentParser, *, target=False, data=False, out=Fal
 
 def _add_lookup(p: argparse.ArgumentParser) -> None:
     """Prompt lookup (`--drafter ngram`, eval's floor) and the hybrid, spelled the same on every verb that drafts."""
-    p.add_argument("--ngram-max", type=int, default=3, help="prompt lookup: longest suffix matched (default 3)")
-    p.add_argument("--ngram-min", type=int, default=1, help="prompt lookup: shortest suffix matched (default 1)")
+    p.add_argument("--ngram-max", type=COUNT, default=3, help="prompt lookup: longest suffix matched (default 3)")
+    p.add_argument("--ngram-min", type=COUNT, default=1, help="prompt lookup: shortest suffix matched (default 1)")
     p.add_argument("--hybrid", action="store_true",
                    help="with --drafter DIR: per cycle the prompt-lookup draft when its match is long enough, else the drafter's")
-    p.add_argument("--ngram-min-match", type=int, default=None,
+    p.add_argument("--ngram-min-match", type=COUNT, default=None,
                    help="--hybrid: shortest match whose n-gram draft is used (default 2)")
 
 
 def _add_regen(p: argparse.ArgumentParser, batch_default: str) -> None:
     """Regeneration (the target writes the answers first), spelled the same on capture and train."""
     p.add_argument("--regenerate", action="store_true", help="replace assistant turns with the target's own responses")
-    p.add_argument("--samples-per-prompt", type=int, default=1, help="regeneration: answers per prompt")
-    p.add_argument("--regen-batch-size", type=int, default=None,
+    p.add_argument("--samples-per-prompt", type=COUNT, default=1, help="regeneration: answers per prompt")
+    p.add_argument("--regen-batch-size", type=COUNT, default=None,
                    help=f"regeneration: sequences generated together (default {batch_default}; GPUs want hundreds)")
     p.add_argument("--regen-engine", default="batch", choices=list(REGEN_ENGINES),
                    help="regeneration: batch = the static-cache batch engine (CUDA-graphed), batch-flex = the same "
                         "with flex decode attention (each row reads only its visible key blocks), hf = HF generate")
-    p.add_argument("--max-new-tokens", type=int, default=None, help="regeneration: tokens per response")
-    p.add_argument("--temperature", type=float, default=0.0, help="regeneration temperature (0 = greedy)")
+    p.add_argument("--max-new-tokens", type=COUNT, default=None, help="regeneration: tokens per response")
+    p.add_argument("--temperature", type=TEMPERATURE, default=0.0, help="regeneration temperature (0 = greedy)")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -164,14 +207,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 
     p = sub.add_parser("economics", help="will speculation pay: tok/s, break-even and required acceptance")
-    p.add_argument("--cycle-ms", type=float, default=None, help="measured time of one draft+verify cycle")
-    p.add_argument("--verify-ms", type=float, default=None, help="verify pass time (needs --depth and --draft-ms)")
-    p.add_argument("--draft-ms", type=float, default=None, help="one drafter step")
-    p.add_argument("--overhead-ms", type=float, default=None, help="per-cycle overhead (default 0)")
-    p.add_argument("--depth", type=int, default=None, help="chain depth k (omit = unbounded)")
-    p.add_argument("--accept-len", type=float, default=None, help="measured τ (accepted drafts + 1 per cycle)")
-    p.add_argument("--baseline-tok-s", type=float, default=None, help="no-speculation tok/s")
-    p.add_argument("--target-tok-s", type=float, default=None, help="goal tok/s")
+    p.add_argument("--cycle-ms", type=POSITIVE, default=None, help="measured time of one draft+verify cycle")
+    p.add_argument("--verify-ms", type=POSITIVE, default=None, help="verify pass time (needs --depth and --draft-ms)")
+    p.add_argument("--draft-ms", type=POSITIVE, default=None, help="one drafter step")
+    p.add_argument("--overhead-ms", type=Number(float, lo=0), default=None, help="per-cycle overhead (default 0)")
+    p.add_argument("--depth", type=COUNT, default=None, help="chain depth k (omit = unbounded)")
+    p.add_argument("--accept-len", type=ACCEPT_LEN, default=None, help="measured τ (accepted drafts + 1 per cycle)")
+    p.add_argument("--baseline-tok-s", type=POSITIVE, default=None, help="no-speculation tok/s")
+    p.add_argument("--target-tok-s", type=POSITIVE, default=None, help="goal tok/s")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 
     p = sub.add_parser("capture", help="target hidden states → a sharded store")
@@ -180,39 +223,41 @@ def build_parser() -> argparse.ArgumentParser:
     _add_regen(p, batch_default="--batch-size")
     p.add_argument("--save-data", default=None, help="keep the regenerated conversations as JSONL")
     p.add_argument("--restart", action="store_true", help="start over instead of resuming")
-    p.add_argument("--shard-tokens", type=int, default=None, help="tokens per store shard (default: about 256 MiB per shard)")
+    p.add_argument("--shard-tokens", type=COUNT, default=None, help="tokens per store shard (default: about 256 MiB per shard)")
 
     p = sub.add_parser("train", help="train or fine-tune a drafter (TTT); resumes in the same --out")
     _add_common(p, target=True, data=True, out=True, samples=True, device=True, seed=True, template=True)
     p.add_argument("--init-from", default=None, help="warm start from a drafter (any supported layout)")
     p.add_argument("--remap-vocab", action="store_true", help="with --init-from: build a new vocab mapping and remap lm_head")
     p.add_argument("--restart", action="store_true", help="start over instead of resuming")
-    p.add_argument("--steps", type=int, default=None, help="optimizer steps (default one epoch)")
-    p.add_argument("--ttt-steps", type=int, default=7, help="training-time-test unroll: draft steps trained per position")
-    p.add_argument("--group-by-length", type=int, default=0, metavar="N",
+    p.add_argument("--steps", type=COUNT, default=None, help="optimizer steps (default one epoch)")
+    p.add_argument("--ttt-steps", type=COUNT, default=7, help="training-time-test unroll: draft steps trained per position")
+    p.add_argument("--group-by-length", type=NON_NEGATIVE, default=0, metavar="N",
                    help="length-grouped batches: sort the shuffled samples in windows of N batches, then shuffle the "
                         "batches (less padding per batch; default 0: random batches)")
-    p.add_argument("--draft-vocab-size", type=int, default=None, help="default min(32000, V)")
+    p.add_argument("--draft-vocab-size", type=COUNT, default=None, help="default min(32000, V)")
     p.add_argument("--lm-head-from-target", action="store_true",
                    help="from scratch: the drafter's lm_head starts as the target's head rows (same hidden size)")
     p.add_argument("--aux-scale", action="store_true",
                    help="from scratch: train fc on each aux state divided by its RMS on the first batch (Gemma's "
                         "states differ widely in size from layer to layer); saved drafters hold fc with the scale "
                         "folded in, so engines load plain EAGLE-3 weights")
-    p.add_argument("--draft-intermediate-size", type=int, default=None, metavar="N",
+    p.add_argument("--draft-intermediate-size", type=COUNT, default=None, metavar="N",
                    help="from scratch: the drafter's MLP width (default the target's; SGLang and vLLM build the MLP "
                         "from the drafter's config)")
     p.add_argument("--aux-layers", type=_aux_list, default=None,
                    help="'input of decoder layer i' ids fed to the drafter (default: the store's, else 2,L//2,L-3)")
-    p.add_argument("--lr", type=float, default=None, help="peak learning rate (default 1e-4, 5e-5 with --init-from)")
-    p.add_argument("--val-every", type=int, default=None)
-    p.add_argument("--save-every", type=int, default=None)
-    p.add_argument("--keep-last", type=int, default=None)
+    p.add_argument("--lr", type=POSITIVE, default=None, help="peak learning rate (default 1e-4, 5e-5 with --init-from)")
+    p.add_argument("--val-every", type=NON_NEGATIVE, default=None,
+                   help="validate every N steps (default steps/5; 0: only before the first step and after the last)")
+    p.add_argument("--save-every", type=COUNT, default=None, help="checkpoint every N steps (default 1000; always at the end)")
+    p.add_argument("--keep-last", type=NON_NEGATIVE, default=None,
+                   help="keep the newest N checkpoints (default 3; 0 keeps every one)")
     p.add_argument("--save-at-tokens", type=_token_counts, default=None,
                    help="also publish the drafter at these training-token counts, e.g. 500k,2M,20M "
                         "(<out>/at-tokens/<N>/, kept: a learning curve from one run)")
     _add_regen(p, batch_default="8")
-    p.add_argument("--max-nonfinite-steps", type=int, default=5,
+    p.add_argument("--max-nonfinite-steps", type=NON_NEGATIVE, default=5,
                    help="NaN/Inf loss steps are skipped; this many in a row stop the run (exit 2)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile the step: each decoder layer as two regions around the attention kernel on one "
@@ -246,7 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target-b", required=True)
     p.add_argument("--drafter", default=None, help="drafter trained for A (plug-in τ on B)")
     p.add_argument("--trust-remote-code", action="store_true")
-    p.add_argument("--depth", type=int, default=3, help="chain depth of the offline τ")
+    p.add_argument("--depth", type=COUNT, default=3, help="chain depth of the offline τ")
     p.add_argument("--restart", action="store_true", help="recapture both targets' states instead of reusing them")
     _add_common(p, data=True, out=True, samples=True, device=True, seed=True, template=True)
 
@@ -256,7 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the layout the serving engine loads")
     p.add_argument("--out", default=None, help="output directory (default ./draftport-runs/export-<UTC time>/)")
     p.add_argument("--target", default=None, help="target config (decides the aux-id rule per engine)")
-    p.add_argument("--depth", type=int, default=3, help="chain depth for the launch commands and the speculators config")
+    p.add_argument("--depth", type=COUNT, default=3, help="chain depth for the launch commands and the speculators config")
     p.add_argument("--include-embedding", action="store_true", default=None,
                    help="also write the target's embedding (default: speculators format, or a drafter of another "
                         "width than the target, which engines cannot share it with)")
@@ -274,25 +319,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sizes", default=None,  # the unit is study.parse_sizes' to decide (checked before any work)
                    help="data sizes of the scaling curve: samples (50,200) or tokens (125k,500k,1M,2M: every entry "
                         "with a k/M/G suffix; capture then takes --max-samples prompts, default all of --data)")
-    p.add_argument("--steps", type=int, default=None, help="optimizer steps of every run (default one epoch)")
-    p.add_argument("--epochs", type=float, default=None,
+    p.add_argument("--steps", type=COUNT, default=None, help="optimizer steps of every run (default one epoch)")
+    p.add_argument("--epochs", type=POSITIVE, default=None,
                    help="instead of --steps: each run's steps = epochs × its training samples / batch size")
-    p.add_argument("--ttt-steps", type=int, default=7)
+    p.add_argument("--ttt-steps", type=COUNT, default=7)
     p.add_argument("--prompts", default="mt-bench")
-    p.add_argument("--max-new-tokens", type=int, default=None)
+    p.add_argument("--max-new-tokens", type=COUNT, default=None)
     p.add_argument("--trust-remote-code", action="store_true")
-    p.add_argument("--eval-prompts", type=int, default=8, help="prompts per online eval")
-    p.add_argument("--probe-samples", type=int, default=64, help="conversations the probe compares")
-    p.add_argument("--depth", type=int, default=3, help="chain depth of every eval")
-    p.add_argument("--lr", type=float, default=None, help="training learning rate")
-    p.add_argument("--transfer-lr", type=float, default=None, help="the transfer runs' learning rate (default --lr)")
+    p.add_argument("--eval-prompts", type=COUNT, default=8, help="prompts per online eval")
+    p.add_argument("--probe-samples", type=COUNT, default=64, help="conversations the probe compares")
+    p.add_argument("--depth", type=COUNT, default=3, help="chain depth of every eval")
+    p.add_argument("--lr", type=POSITIVE, default=None, help="training learning rate")
+    p.add_argument("--transfer-lr", type=POSITIVE, default=None, help="the transfer runs' learning rate (default --lr)")
     p.add_argument("--lm-head-from-target", action="store_true",
                    help="scratch runs: lm_head rows start as the target's head rows")
     p.add_argument("--regenerate", action="store_true", help="target B writes the assistant turns before capture")
-    p.add_argument("--regen-batch-size", type=int, default=None, help="regeneration: prompts per batched generate")
-    p.add_argument("--samples-per-prompt", type=int, default=1, help="regeneration: answers per prompt")
-    p.add_argument("--temperature", type=float, default=0.0, help="regeneration temperature (0 = greedy)")
-    p.add_argument("--regen-new-tokens", type=int, default=None, help="regeneration: tokens per answer")
+    p.add_argument("--regen-batch-size", type=COUNT, default=None, help="regeneration: prompts per batched generate")
+    p.add_argument("--samples-per-prompt", type=COUNT, default=1, help="regeneration: answers per prompt")
+    p.add_argument("--temperature", type=TEMPERATURE, default=0.0, help="regeneration temperature (0 = greedy)")
+    p.add_argument("--regen-new-tokens", type=COUNT, default=None, help="regeneration: tokens per answer")
     p.add_argument("--restart", action="store_true", help="start the study over instead of resuming")
     _add_common(p, data=True, out=True, samples=True, device=True, seed=True, template=True)
 
