@@ -20,7 +20,7 @@ from scipy.stats import chisquare
 from draftport.decode import sampling
 from draftport.model.drafter import Eagle3Drafter
 from draftport.decode.engine import SpecEngine
-from draftport.decode.options import EngineConfig
+from draftport.decode.options import EngineConfig, prefill_buckets
 from draftport.errors import DraftportError
 from draftport.model.target import tiny_target
 
@@ -238,6 +238,52 @@ def test_greedy_speculation_with_oracle_drafter(targets, family, name):
     assert min(noisy.accept_lens) < k + 1 and max(noisy.accept_lens) > 1
 
 
+# ---------------------------------------------------------------------------------------------
+# the bucketed prefill
+# ---------------------------------------------------------------------------------------------
+
+def _bucketed(cfg: EngineConfig, on: bool) -> EngineConfig:
+    return EngineConfig(**{**cfg.__dict__, "prefill_buckets": on})
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+@pytest.mark.parametrize("name", ["plain", "chain3", "tree-k2d3n6", "sampled"])
+def test_bucketed_prefill_gives_the_unbucketed_text(targets, family, name):
+    """The prompt padded to its bucket (padding after it, its slots written again before any pass reads them)
+    decodes as the prompt alone: same tokens, same acceptances, greedy == the target's greedy; sampled, the same
+    draws. Prompts of 5, 16 (a bucket's own length) and 23 tokens, past gemma3's sliding window of 8."""
+    t = targets[family]
+    cfg = {"plain": CONFIGS["chain3"], "sampled": EngineConfig(depth=2, temperature=0.8, top_p=0.9, max_len=96)}.get(
+        name, CONFIGS.get(name))
+    drafter = None if name == "plain" else random_drafter(t)
+    on, off = SpecEngine(t, drafter, _bucketed(cfg, True)), SpecEngine(t, drafter, _bucketed(cfg, False))
+    assert on.bucketed and not off.bucketed
+    for n in (5, 16, 23):
+        prompt = _prompt(n, n=n)
+        a, b = on.generate(prompt, NEW, seed=7), off.generate(prompt, NEW, seed=7)
+        assert a.token_ids == b.token_ids and a.accept_lens == b.accept_lens
+        if cfg.temperature == 0:
+            assert a.token_ids == _reference(t, prompt)
+        assert 0 < a.timings.first_token_s <= a.timings.prefill_s <= a.timings.total_s
+
+
+def test_bucketed_prefill_runs_no_new_shape_after_warm_up(targets):
+    """The prefill's shapes are the buckets', all run at the warm-up: 50 prompts of 50 lengths after it add no
+    (pass, shape) — on CUDA each would be a graph capture and a compile. The GPU test counts captures."""
+    t = targets["gemma3"]
+    cfg = EngineConfig(max_len=96, prefill_buckets=True)
+    eng = SpecEngine(t, random_drafter(t), cfg)
+    buckets = prefill_buckets(eng.S)
+    assert eng.prefill_shapes() == set()  # no graphs on the CPU: the warm-up is the caller's
+    eng.warm_up_prefill()
+    warm = eng.prefill_shapes()
+    assert len(warm) == 2 * len(buckets)  # the target pass and the drafter's extend, per bucket
+    for n in range(1, 51):
+        eng.generate(_prompt(100 + n, n=n), 2)
+    assert eng.prefill_shapes() == warm
+    assert {k[1][1] for k in warm if k[0].startswith("target")} == set(buckets)  # key: (name, ids [1, B], …)
+
+
 def test_eos_stops_and_max_new_tokens_truncates(targets):
     t = targets["llama"]
     prompt = _prompt(6)
@@ -378,6 +424,30 @@ def test_cuda_graphs_equal_eager(family, dtype):
         assert choices and set(choices.values()) <= {"default", "efficient", "math", "matmul"}
         if eng.native is not None:  # every graphed pass here (step, verify of 4) is native small-query attention
             assert set(choices.values()) == {"matmul"}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_cuda_prefill_captures_and_compiles_only_at_start(family):
+    """On CUDA the prefill is bucketed by default and every bucket's graphs are captured when the engine starts:
+    50 prompts of 50 lengths after that capture no graph and compile nothing (the plain engine's cycles have one
+    shape, so its counts cover everything; with a drafter, the prefill's graphs are counted)."""
+    from torch._dynamo.utils import counters
+
+    t = tiny_target(family, device="cuda", dtype="bf16")
+    for drafter in (None, random_drafter(t).to(device="cuda", dtype=t.dtype)):
+        eng = SpecEngine(t, drafter, CONFIGS["chain3"])
+        assert eng.bucketed and len(eng.prefill_shapes()) == (2 if drafter is not None else 1) * len(prefill_buckets(eng.S))
+        eng.generate(_prompt(1).cuda(), 8)  # the cycles' graphs
+        graphs = {k: g.graph for k, g in eng._graphs.items()}
+        compiled = counters["stats"]["unique_graphs"]  # Dynamo graphs compiled so far
+        for n in range(1, 51):
+            eng.generate(_prompt(200 + n, n=n).cuda(), 3)
+        prefill = {k: g.graph for k, g in eng._graphs.items() if k in eng.prefill_shapes()}
+        assert all(graphs[k] is g for k, g in prefill.items())  # the same graphs, none captured again
+        if drafter is None:
+            assert {k: g.graph for k, g in eng._graphs.items()} == graphs
+            assert counters["stats"]["unique_graphs"] == compiled
 
 
 @pytest.mark.gpu

@@ -5,6 +5,7 @@ the target's own outputs == online τ, and bad prompt files are one-line errors 
 from __future__ import annotations
 
 import json
+import statistics
 
 import pytest
 import torch
@@ -19,7 +20,9 @@ PROMPTS = ["Hello, how are you today?", "def add(a, b):", "What is the capital o
 N = 24  # new tokens per prompt
 SUMMARY_KEYS = ("accept_len", "tok_s", "baseline_tok_s", "speedup", "predicted_tok_s", "hf_generate_tok_s",
                 "per_position_accept", "accept_hist", "draft_ms", "verify_ms", "overhead_ms", "cycle_ms",
-                "offline_accept_len", "offline_rel_err", "predicted_rel_err", "match_rate", "config", "cycles")
+                "offline_accept_len", "offline_rel_err", "predicted_rel_err", "match_rate", "config", "cycles",
+                "ttft_ms", "ttft_ms_max", "e2e_tok_s", "e2e_speedup", "baseline_ttft_ms", "baseline_e2e_tok_s",
+                "baseline_engine", "unpadded_baseline")
 
 
 
@@ -73,6 +76,17 @@ def test_eval_is_lossless_and_its_figures_agree(tiny, tmp_path, topk, depth, nod
     for key in ("tok_s", "baseline_tok_s", "predicted_tok_s", "draft_ms", "verify_ms", "cycle_ms"):
         assert s[key] > 0, key
     assert s["speedup"] == pytest.approx(s["tok_s"] / s["baseline_tok_s"])
+    # what a request sees: time to first token and end-to-end rates, from the per-prompt rows
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert s["ttft_ms"] == pytest.approx(statistics.median(r["ttft_ms"] for r in rows))
+    assert s["baseline_ttft_ms"] == pytest.approx(statistics.median(r["baseline_ttft_ms"] for r in rows))
+    assert s["ttft_ms_max"] == pytest.approx(max(r["ttft_ms"] for r in rows)) and s["ttft_ms"] > 0
+    assert s["e2e_speedup"] == pytest.approx(s["e2e_tok_s"] / s["baseline_e2e_tok_s"])
+    for r in rows:  # the whole call is slower than its decode: the prefill and first token are in it
+        assert 0 < r["e2e_tok_s"] < r["tok_s"] * r["new_tokens"] / (r["new_tokens"] - 1)
+        assert r["ttft_ms"] > 0 and r["baseline_e2e_tok_s"] > 0
+    # on the CPU nothing pads, so the plain engine is the baseline and no unpadded one runs
+    assert s["baseline_engine"] == "plain" and s["unpadded_baseline"] is None
     assert s["cycle_ms"] == pytest.approx(s["draft_ms"] + s["verify_ms"] + s["overhead_ms"])
     assert s["predicted_rel_err"] == pytest.approx((s["predicted_tok_s"] - s["tok_s"]) / s["tok_s"])
     if topk > 1:  # the depth table is the chain's (a tree's nodes are not a prefix of a deeper tree)
@@ -136,7 +150,8 @@ def test_cli_eval_json_and_generate(tiny, tmp_path, capsys):
               "--device", "cpu"]
     assert main(common + ["--drafter", tiny["drafter_dir"], "--json"]) == 0
     spec = json.loads(capsys.readouterr().out)
-    assert {"text", "token_ids", "accept_len", "tok_s"} <= set(spec)
+    assert {"text", "token_ids", "accept_len", "tok_s", "ttft_ms", "e2e_tok_s"} <= set(spec)
+    assert spec["ttft_ms"] > 0 and 0 < spec["e2e_tok_s"] < spec["tok_s"] * 16 / 15
     assert len(spec["token_ids"]) == 16 and spec["accept_len"] > 1.0
     native = spec["engine"].pop("native")
     assert spec["engine"] == {"fused": False, "sdpa": "auto", "cuda_graphs": False, "target_pass": "native",
@@ -209,7 +224,8 @@ def test_eval_on_gemma_is_lossless(gemma_target, tmp_path):
 # ---------------------------------------------------------------------------------------------
 
 FLOOR_KEYS = ("accept_len", "per_position_accept", "accept_hist", "cycles", "tok_s", "speedup", "match_rate",
-              "cycle_ms", "by_match_len", "by_source", "offline_accept_len", "config")
+              "cycle_ms", "by_match_len", "by_source", "offline_accept_len", "config", "ttft_ms", "e2e_tok_s",
+              "e2e_speedup")
 
 
 def _check_run(r: dict, k: int) -> None:
@@ -219,7 +235,7 @@ def _check_run(r: dict, k: int) -> None:
     assert sum(x["cycles"] for x in r["by_source"].values()) == r["cycles"]
     assert sum(x["cycles"] * x["accept_len"] for x in r["by_match_len"].values()) / r["cycles"] == \
         pytest.approx(r["accept_len"])
-    assert r["speedup"] > 0 and r["tok_s"] > 0
+    assert r["speedup"] > 0 and r["tok_s"] > 0 and r["ttft_ms"] > 0 and r["e2e_speedup"] > 0
 
 
 def test_eval_reports_the_floor_and_the_hybrid(tiny, tmp_path):

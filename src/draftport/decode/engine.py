@@ -40,7 +40,7 @@ import torch
 from draftport.check.layers import resolve_aux_layers
 from draftport.decode import sampling
 from draftport.decode.graphs import Graphed, GraphSet
-from draftport.decode.options import EngineConfig
+from draftport.decode.options import EngineConfig, prefill_bucket, prefill_buckets
 from draftport.errors import DraftportError
 from draftport.model import native
 from draftport.model.fusion import FusedTarget
@@ -58,6 +58,8 @@ class Timings:
     verify_s: list[float] = field(default_factory=list)    # per cycle: the target pass
     overhead_s: list[float] = field(default_factory=list)  # per cycle: accept, KV compaction, the host copy
     prefill_s: float = 0.0                                 # target + drafter prefill and the first token
+    first_token_s: float = 0.0                             # time to first token: the call to the first new token
+                                                           # on the host (the drafter's prefill comes after it)
     total_s: float = 0.0                                   # the whole generate call
 
 
@@ -86,6 +88,8 @@ class _LookupState:
     match_lens: list[int] = field(default_factory=list)
     sources: list[str] = field(default_factory=list)
 
+
+PREFILL_EXTEND = "extend_prefill"  # the drafter's extend over a prompt: its graphs apart from a cycle's extends
 
 # ---------------------------------------------------------------------------------------------
 # The engine
@@ -140,6 +144,10 @@ class SpecEngine:
         if drafter is not None:
             self._init_drafter(drafter)
         self._init_lookup(lookup)
+        self.bucketed = self.cfg.prefill_buckets if self.cfg.prefill_buckets is not None else use_graphs
+        self._causal: dict[int, torch.Tensor] = {}
+        if self.bucketed and use_graphs:
+            self.warm_up_prefill()
 
     def _init_drafter(self, drafter) -> None:
         spec = drafter.spec
@@ -195,8 +203,10 @@ class SpecEngine:
         allowed = (self._ar < n)[None, :] | nodes                          # [T, S]
         return additive_masks(allowed[None], pos[None], key_pos[None], self._layer_types, self._windows, self.dtype)
 
-    def _target_fn(self, with_aux: bool, last_only: bool = False):
-        def run(ids, n, depths, tree_mask):
+    def _target_fn(self, with_aux: bool, rows_only: bool = False):
+        """The target pass as a function of tensors (what a graph captures); rows_only: it takes one more
+        tensor, the rows whose logits it returns (the prefill reads one)."""
+        def run(ids, n, depths, tree_mask, rows=None):
             T = ids.shape[1]
             slots = self._ar[:T] + n
             pos = n + depths
@@ -207,11 +217,11 @@ class SpecEngine:
                 # computed them, or bf16 speculative text leaves the no-speculation greedy text (native.attend)
                 out = self.native.forward(ids, pos[None], masks, self.cache,
                                           aux_layers=self.aux_layers if with_aux else (),
-                                          logits="last" if last_only else "all", compiled=self.native_scope,
+                                          logits=rows if rows_only else "all", compiled=self.native_scope,
                                           invariant=self.invariant)
                 return (out.logits[0],) if not with_aux else (out.logits[0], out.aux[0])
             mask = masks if len(masks) > 1 else next(iter(masks.values()))
-            keep = {"logits_to_keep": 1} if last_only else {}
+            keep = {"logits_to_keep": rows} if rows_only else {}
             with self.fused.active() if self.fused is not None else contextlib.nullcontext():
                 out = self.model(input_ids=ids, position_ids=pos[None], attention_mask=mask, use_cache=True,
                                  output_hidden_states=with_aux, **{self._cache_kw: self.cache}, **keep)
@@ -223,15 +233,18 @@ class SpecEngine:
         return run
 
     def target_pass(self, ids: torch.Tensor, n: torch.Tensor, depths: torch.Tensor, tree_mask: torch.Tensor,
-                    graphed: bool = True, last_logits: bool = False):
+                    graphed: bool = True, last_logits: bool = False, logit_row: torch.Tensor | None = None):
         """Target forward over T tokens ids [T] at positions n + depths [T], KV written to slots
         n..n+T-1, token i seeing slots < n and the tokens j with tree_mask[i, j].
-        Returns (logits [T, V] — [1, V], the last row's, with last_logits — , aux [T, n·Ht] or None).
-        last_logits is for the prefill, which reads one row: the head over all T rows of a long prompt
-        (T × V, 262k columns for Gemma) would cost more than the rest of the pass."""
+        Returns (logits [T, V] — [1, V], one row's, with last_logits — , aux [T, n·Ht] or None).
+        last_logits is for the prefill, which reads one row (logit_row, a [1] tensor; default the last): the
+        head over all T rows of a long prompt (T × V, 262k columns for Gemma) would cost more than the rest of
+        the pass, and a padded prompt's last real row is not the pass's last."""
         with_aux = self.drafter is not None
         fn = self._target_fn(with_aux, last_logits)
         args = (ids[None], n, depths, tree_mask)
+        if last_logits:
+            args += (logit_row if logit_row is not None else self._ar[ids.shape[0] - 1:ids.shape[0]],)
         if graphed:
             sdpa = self.native is None or self.native.calls_sdpa(ids.shape[0])
             out = self.graphs.call_target(f"target{int(with_aux)}{'_last' if last_logits else ''}", fn, *args,
@@ -255,9 +268,9 @@ class SpecEngine:
         g = self.drafter.project(aux[None])[0]
         return self._draft_step_fn(g, ids, slots, slots, mask)
 
-    def drafter_extend(self, aux, ids, n, graphed=True):
+    def drafter_extend(self, aux, ids, n, graphed=True, name: str = "extend"):
         args = (aux, ids, n)
-        return self._call("extend", self._extend_fn, *args) if graphed else self._extend_fn(*args)
+        return self._call(name, self._extend_fn, *args) if graphed else self._extend_fn(*args)
 
     def drafter_step(self, hidden, ids, pos, slots, mask):
         return self._call("draft", self._draft_step_fn, hidden, ids, pos, slots, mask)
@@ -292,18 +305,13 @@ class SpecEngine:
         eos = set(int(e) for e in (eos_ids or []))
         self._gen.manual_seed(self.cfg.seed if seed is None else seed)
         clock = _Clock(self.device)
-        # Prefill (eager: one shape per prompt length would only fill the graph cache).
-        zero = self._zero
-        causal = torch.ones(P, P, dtype=torch.bool, device=self.device).tril()
-        logits, aux = self.target_pass(prompt, zero, self._ar[:P], causal, graphed=False, last_logits=True)
-        last = self._pick(logits[-1])
-        state = None
-        if self.drafter is not None:
-            h, dl = self.drafter_extend(aux, torch.cat([prompt[1:], last[None]]), zero, graphed=False)
-            state = ("ready", h[-1], dl[-1])
-        ng = self._lookup_start(prompt, last) if self.lookup is not None else None
+        last, state = self._prefill(prompt)
         out = [int(last)]
-        timings = Timings(prefill_s=time.perf_counter() - t_start)
+        first_token_s = time.perf_counter() - t_start
+        if self.drafter is not None:
+            state = self._drafter_prefill(prompt, last, state)
+        ng = self._lookup_start(prompt, last) if self.lookup is not None else None
+        timings = Timings(prefill_s=time.perf_counter() - t_start, first_token_s=first_token_s)
         accept_lens: list[int] = []
         n = P
         while len(out) < max_new_tokens and out[-1] not in eos:
@@ -327,6 +335,47 @@ class SpecEngine:
         if ng is not None:
             res.match_lens, res.sources = ng.match_lens, ng.sources
         return res
+
+    # -- the prefill ----------------------------------------------------------------------------
+    def _causal_mask(self, T: int) -> torch.Tensor:
+        m = self._causal.get(T)
+        if m is None:
+            m = self._causal[T] = torch.ones(T, T, dtype=torch.bool, device=self.device).tril()
+        return m
+
+    def _prefill(self, prompt: torch.Tensor):
+        """The target's pass over the prompt -> (the first new token, the aux states [B, n·Ht] or None). Bucketed,
+        the prompt is padded to its bucket's length B and the pass replays that bucket's graph: the padding rows
+        come after the prompt, so causal attention keeps them out of its rows, and the cache slots they write
+        (P..B-1) are written again before any pass reads them, as a rejected draft's are. Unbucketed, the pass
+        runs eagerly at the prompt's own length (one graph per length would only fill the graph cache)."""
+        P = prompt.shape[0]
+        B = prefill_bucket(P, self.S) if self.bucketed else P
+        ids = prompt if B == P else torch.cat([prompt, prompt.new_zeros(B - P)])
+        logits, aux = self.target_pass(ids, self._zero, self._ar[:B], self._causal_mask(B), graphed=self.bucketed,
+                                       last_logits=True, logit_row=self._ar[P - 1:P])
+        return self._pick(logits[-1]), aux
+
+    def _drafter_prefill(self, prompt: torch.Tensor, last: torch.Tensor, aux: torch.Tensor):
+        """The drafter's extend over the prompt's aux states (padded as the target's were) -> the cycle state."""
+        P, B = prompt.shape[0], aux.shape[0]
+        ids = torch.cat([prompt[1:], last[None], prompt.new_zeros(B - P)])
+        h, dl = self.drafter_extend(aux, ids, self._zero, graphed=self.bucketed, name=PREFILL_EXTEND)
+        return ("ready", h[P - 1], dl[P - 1])
+
+    def warm_up_prefill(self) -> None:
+        """Every bucket's prefill graphs (the target pass and the drafter's extend) captured now, at the
+        engine's start, so no request pays a capture or a compile."""
+        for B in prefill_buckets(self.S):
+            ids = torch.zeros(B, dtype=torch.long, device=self.device)
+            last, aux = self._prefill(ids)
+            if self.drafter is not None:
+                self._drafter_prefill(ids, last, aux)
+
+    def prefill_shapes(self) -> set[tuple]:
+        """The (pass, input shapes) the prefill has run: with graphs, one capture (and on CUDA its compiles) each;
+        bucketed, one per bucket and pass whatever the prompts (what the tests count)."""
+        return {k for k in self._graphs if k[0].endswith("_last") or k[0] == PREFILL_EXTEND}
 
     def _plain_cycle(self, last, n, clock):
         clock.mark()

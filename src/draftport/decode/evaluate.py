@@ -40,7 +40,7 @@ from draftport import economics
 from draftport.data.chat import encode_prompt
 from draftport.decode import offline
 from draftport.decode.engine import SpecEngine
-from draftport.decode.measure import (decode_rate, hf_generate_rate, mean_ms, measure_lookup_steps, measure_steps,
+from draftport.decode.measure import (RequestTimes, hf_generate_rate, mean_ms, measure_lookup_steps, measure_steps,
                                       predicted_tok_s, prefix_match, rel_err)
 from draftport.decode.ngram import DEFAULT_MIN_MATCH, PromptLookup, offline_walk
 from draftport.decode.offline import WalkResult, sample_walk, target_argmax_from_hidden
@@ -102,6 +102,10 @@ def lookup_walk(lookup, prompt_ids: list[int], continuation: list[int], depth: i
     return WalkResult(cycle_accepts=acc), matches
 
 
+def ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a and b else None
+
+
 def split_tau(keys: list, accept_lens: list[int]) -> dict:
     """{key: {cycles, accept_len}}: τ of the cycles grouped by a per-cycle key (match length, source)."""
     out: dict = {}
@@ -124,14 +128,14 @@ class RunFigures:
         self.accept_lens, self.match_lens, self.sources = [], [], []
         self.draft_s, self.verify_s, self.over_s = [], [], []
         self.offline, self.offline_matches = [], []
-        self.tok = self.match = self.compared = self.exact = self.prompts = 0
-        self.secs = 0.0
+        self.match = self.compared = self.exact = self.prompts = 0
+        self.req = RequestTimes()
 
     def add(self, res, ref: list[int]) -> dict:
         """A generation against the no-speculation output ref (same prompt); returns its metrics.jsonl fields."""
-        tok, secs = len(res.token_ids) - 1, res.timings.total_s - res.timings.prefill_s
         m = prefix_match(res.token_ids, ref)
-        self.tok, self.secs, self.prompts = self.tok + tok, self.secs + secs, self.prompts + 1
+        times = self.req.add(res)
+        self.prompts += 1
         self.match, self.compared = self.match + m, self.compared + max(len(ref), len(res.token_ids))
         self.exact += int(res.token_ids == ref)
         self.accept_lens += res.accept_lens
@@ -140,23 +144,23 @@ class RunFigures:
         self.draft_s += res.timings.draft_s
         self.verify_s += res.timings.verify_s
         self.over_s += res.timings.overhead_s
-        return {"accept_len": res.accept_len, "tok_s": decode_rate(tok, secs), "match": res.token_ids == ref,
-                "cycles": res.cycles}
+        return {"accept_len": res.accept_len, **times, "match": res.token_ids == ref, "cycles": res.cycles}
 
     def add_offline(self, walk, matches: list[int]) -> None:
         self.offline += walk.cycle_accepts
         self.offline_matches += matches
 
-    def summary(self, baseline_tok_s: float | None, greedy: bool) -> dict:
+    def summary(self, baseline: RequestTimes, greedy: bool) -> dict:
         online = offline.summarize([t - 1 for t in self.accept_lens], self.k)
-        tok_s = decode_rate(self.tok, self.secs)
+        tok_s = self.req.tok_s
         draft_ms, verify_ms, over_ms = mean_ms(self.draft_s), mean_ms(self.verify_s), mean_ms(self.over_s)
         off = offline.summarize(self.offline, self.k) if self.offline else None
         lk = self.lookup
         return {
             "accept_len": online["accept_len"], "per_position_accept": online["per_position"],
             "accept_hist": online["accept_hist"], "cycles": online["cycles"], "tok_s": tok_s,
-            "speedup": tok_s / baseline_tok_s if tok_s and baseline_tok_s else None,
+            "speedup": ratio(tok_s, baseline.tok_s), **self.req.summary(),
+            "e2e_speedup": ratio(self.req.e2e_tok_s, baseline.e2e_tok_s),
             "match_rate": self.match / self.compared if greedy and self.compared else None,
             "exact_match_prompts": self.exact / self.prompts if greedy and self.prompts else None,
             "draft_ms": draft_ms, "verify_ms": verify_ms, "overhead_ms": over_ms,
@@ -178,10 +182,12 @@ class RunFigures:
 def eval_engines(engine: EngineConfig, target, drafter, prompts: list[list[int]], N: int, lk=None, hyb_lk=None,
                  ngram_only: bool = False):
     """-> (the speculative EngineConfig resolved, the plain engine, the speculative engine, the floor, the
-    hybrid), all with caches long enough for the longest prompt, N new tokens (the baseline's k more) and one
-    cycle's drafts past them. lk: the prompt lookup of the floor (and of the speculative engine when
-    ngram_only, then there is no floor); hyb_lk: the hybrid's (None: no hybrid engine). Every engine runs
-    the target pass as `engine` says (kernels, compile, sampling)."""
+    hybrid, the unpadded plain engine or None), all with caches long enough for the longest prompt, N new tokens
+    (the baseline's k more) and one cycle's drafts past them. lk: the prompt lookup of the floor (and of the
+    speculative engine when ngram_only, then there is no floor); hyb_lk: the hybrid's (None: no hybrid engine).
+    Every engine runs the target pass as `engine` says (kernels, compile, sampling). Where the engines pad their
+    small-query rows (invariant, on CUDA: it serves only the speculative text's identity), an unpadded plain
+    engine runs too, so no speed-up is taken against a plain engine slower than it needs to be."""
     ecfg = engine.resolved()
     k = ecfg.depth
     ecfg = ecfg.sized_for(max(len(p) for p in prompts), N + k)
@@ -191,7 +197,8 @@ def eval_engines(engine: EngineConfig, target, drafter, prompts: list[list[int]]
     chain_cfg = replace(ecfg, depth=k, topk=1, num_draft_tokens=None)
     floor = None if ngram_only or lk is None else SpecEngine(target, None, chain_cfg, lookup=lk)
     hyb = SpecEngine(target, drafter, chain_cfg, lookup=hyb_lk) if hyb_lk is not None else None
-    return ecfg, base, spec, floor, hyb
+    fast = SpecEngine(target, None, replace(base.cfg, invariant=False)) if base.invariant else None
+    return ecfg, base, spec, floor, hyb, fast
 
 
 @dataclass
@@ -213,6 +220,7 @@ class EvalRun:
     timing_repeats: int       # calls per isolated step timing
     hf_baseline: bool = True  # also time HF generate
     store_result: dict | None = None  # offline τ on a capture store, when given
+    fast_base: Any = None     # the plain engine unpadded, where base pads (eval_engines)
 
     @property
     def k(self) -> int:
@@ -236,7 +244,11 @@ class EvalTally:
         self.rows: list[dict] = []
         self.cycles, self.draft_s, self.verify_s, self.over_s = [], [], [], []
         self.offline_cycles, self.offline_positions = [], []
-        self.tot = {"spec_tok": 0, "spec_s": 0.0, "base_tok": 0, "base_s": 0.0, "match": 0, "compared": 0, "exact": 0}
+        self.tot = {"match": 0, "compared": 0, "exact": 0}
+        self.spec_req, self.base_req = RequestTimes(), RequestTimes()
+        # the unpadded plain engine: its times, and how much of its text is the padded engine's
+        self.fast_req = RequestTimes() if run.fast_base is not None else None
+        self.fast_text = {"match": 0, "compared": 0, "exact": 0}
         self.hf_rates: list[float] = []
         self.fl_fig = RunFigures(run.k, run.lk)
         self.hy_fig = RunFigures(run.k, run.hyb_lk) if run.hyb is not None else None
@@ -255,6 +267,8 @@ def warm_up(run: EvalRun, warm: list[int]) -> None:
     """Graph capture and first-call costs, on the first prompt, excluded from every figure."""
     N, k, stops = run.N, run.k, run.stops
     run.base.generate(warm, min(run.n_base, 4), stops)
+    if run.fast_base is not None:
+        run.fast_base.generate(warm, min(run.n_base, 4), stops)
     run.spec.generate(warm, min(N, 3 * (k + 1)), stops)
     for extra in (run.floor, run.hyb):
         if extra is not None:
@@ -270,17 +284,19 @@ def eval_prompt(run: EvalRun, tally: EvalTally, i: int, conv, p: list[int]) -> N
     seed = run.ecfg.seed + i
     rb = run.base.generate(p, run.n_base, stops, seed=seed)
     rs = run.spec.generate(p, N, stops, seed=seed)
-    b_tok, b_s = len(rb.token_ids) - 1, rb.timings.total_s - rb.timings.prefill_s
-    s_tok, s_s = len(rs.token_ids) - 1, rs.timings.total_s - rs.timings.prefill_s
+    b_times, s_times = tally.base_req.add(rb), tally.spec_req.add(rs)
     ref = rb.token_ids[:N]
     m = prefix_match(rs.token_ids, ref)
     tot["match"] += m
     tot["compared"] += max(len(ref), len(rs.token_ids))
     tot["exact"] += int(rs.token_ids == ref)
-    tot["spec_tok"] += s_tok
-    tot["spec_s"] += s_s
-    tot["base_tok"] += b_tok
-    tot["base_s"] += b_s
+    if run.fast_base is not None:
+        rf = run.fast_base.generate(p, run.n_base, stops, seed=seed)
+        tally.fast_req.add(rf)
+        ft = tally.fast_text
+        ft["match"] += prefix_match(rf.token_ids, rb.token_ids)
+        ft["compared"] += max(len(rf.token_ids), len(rb.token_ids))
+        ft["exact"] += int(rf.token_ids == rb.token_ids)
     tally.cycles += rs.accept_lens
     tally.draft_s += rs.timings.draft_s
     tally.verify_s += rs.timings.verify_s
@@ -302,7 +318,7 @@ def eval_prompt(run: EvalRun, tally: EvalTally, i: int, conv, p: list[int]) -> N
     tally.rows.append({
         "index": i, "id": conv.id, "prompt_tokens": len(p), "new_tokens": len(rs.token_ids), "token_ids": rs.token_ids,
         "cycles": rs.cycles, "accept_len": rs.accept_len, "accept_lens": rs.accept_lens,
-        "tok_s": decode_rate(s_tok, s_s), "baseline_tok_s": decode_rate(b_tok, b_s),
+        **s_times, **{f"baseline_{k}": v for k, v in b_times.items()},
         "hf_generate_tok_s": hf, "match_prefix": m, "match": rs.token_ids == ref,
         "offline_accept_len": (sum(w.cycle_accepts) / len(w.cycle_accepts) + 1.0
                                if w is not None and w.cycle_accepts else None),
@@ -345,6 +361,26 @@ def predictions(run: EvalRun, tally: EvalTally, steps: dict, online: dict, off: 
     return {"pred": pred, "pred_online": pred_online, "depths": depths}
 
 
+def fastest_plain(tally: EvalTally) -> RequestTimes:
+    """The no-speculation run every speed-up is taken against: the faster decode of the plain engine and, where
+    it pads, the unpadded one."""
+    fast = tally.fast_req
+    if fast is not None and (fast.tok_s or 0) > (tally.base_req.tok_s or 0):
+        return fast
+    return tally.base_req
+
+
+def unpadded_figures(tally: EvalTally, greedy: bool, prompts: int) -> dict | None:
+    """The unpadded plain engine's times and, greedy, how much of its text is the padded plain engine's (the
+    reference the speculative text is matched against)."""
+    if tally.fast_req is None:
+        return None
+    ft = tally.fast_text
+    return {"tok_s": tally.fast_req.tok_s, **tally.fast_req.summary(),
+            "match_rate_vs_padded": ft["match"] / ft["compared"] if greedy and ft["compared"] else None,
+            "exact_match_prompts_vs_padded": ft["exact"] / prompts if greedy and prompts else None}
+
+
 def eval_summary(run: EvalRun, tally: EvalTally, prompts: list[list[int]]) -> dict:
     """summary.json's object: τ online and offline, the rates, the prediction, the floor and hybrid, the config."""
     ecfg, k, tot, greedy = run.ecfg, run.k, tally.tot, run.greedy
@@ -352,14 +388,19 @@ def eval_summary(run: EvalRun, tally: EvalTally, prompts: list[list[int]]) -> di
     online, off, off_source = tau_figures(run, tally)
     steps = isolated_steps(run, prompts)
     draft_ms, verify_ms, overhead_ms = mean_ms(tally.draft_s), mean_ms(tally.verify_s), mean_ms(tally.over_s)
-    tok_s = decode_rate(tot["spec_tok"], tot["spec_s"])
-    baseline = decode_rate(tot["base_tok"], tot["base_s"])
+    tok_s = tally.spec_req.tok_s
+    plain = fastest_plain(tally)
+    baseline = plain.tok_s
     p = predictions(run, tally, steps, online, off, overhead_ms)
     pred, pred_online, depths = p["pred"], p["pred_online"], p["depths"]
     hf_rates, rows = tally.hf_rates, tally.rows
     return {
         "accept_len": online["accept_len"], "tok_s": tok_s, "baseline_tok_s": baseline,
-        "speedup": tok_s / baseline if tok_s and baseline else None,
+        "speedup": ratio(tok_s, baseline),
+        **tally.spec_req.summary(), **plain.summary("baseline_"),
+        "e2e_speedup": ratio(tally.spec_req.e2e_tok_s, plain.e2e_tok_s),
+        "baseline_engine": "unpadded" if plain is not tally.base_req else ("padded" if base.invariant else "plain"),
+        "unpadded_baseline": unpadded_figures(tally, greedy, len(prompts)),
         "predicted_tok_s": pred, "predicted_rel_err": rel_err(pred, tok_s),
         "predicted_tok_s_at_online_tau": pred_online, "predicted_at_online_tau_rel_err": rel_err(pred_online, tok_s),
         "predicted_by_depth": depths,
@@ -377,8 +418,8 @@ def eval_summary(run: EvalRun, tally: EvalTally, prompts: list[list[int]]) -> di
         "exact_match_prompts": tot["exact"] / len(prompts) if greedy else None,
         "num_prompts": len(prompts), "new_tokens": sum(r["new_tokens"] for r in rows),
         "isolated_ms": steps,
-        "floor": {**tally.fl_fig.summary(baseline, greedy), "same_run": run.ngram_only},
-        "hybrid": tally.hy_fig.summary(baseline, greedy) if tally.hy_fig is not None else None,
+        "floor": {**tally.fl_fig.summary(plain, greedy), "same_run": run.ngram_only},
+        "hybrid": tally.hy_fig.summary(plain, greedy) if tally.hy_fig is not None else None,
         "config": {**run.flags, "engine": {"depth": k, "topk": ecfg.topk, "num_draft_tokens": ecfg.num_draft_tokens,
                                              "ngram_no_match": ecfg.ngram_no_match,
                                              "max_len": ecfg.max_len, "cuda_graphs": spec.use_graphs,
@@ -391,7 +432,10 @@ def eval_summary(run: EvalRun, tally: EvalTally, prompts: list[list[int]]) -> di
                                                               **({"hybrid": hyb.sdpa_choices()} if hyb else {})}},
                    "aux_layers": spec.aux_layers, "device": str(run.target.device), "dtype": str(run.target.dtype),
                    "stop_token_ids": run.stops, "baseline_new_tokens": run.n_base,
-                   "timing": "decode rates: tokens after the first / time after the prefill; warm-up excluded",
+                   "timing": "tok_s: decode rates (tokens after the first / time after the prefill); ttft_ms: the "
+                             "call to the first new token on the host (median over prompts); e2e_tok_s: new tokens / "
+                             "whole calls, summed over prompts; speed-ups against the fastest plain engine; warm-up "
+                             "excluded",
                    "predicted": "economics: offline τ / (isolated verify + depth · isolated draft step (one extend + "
                                 "depth−1 steps, averaged) + measured mean overhead)",
                    "offline": "teacher-forced depth-k chain (topk 1); a tree (--topk > 1) usually accepts more"},

@@ -43,6 +43,40 @@ def mean_ms(xs: list[float]) -> float | None:
     return 1000.0 * sum(xs) / len(xs) if xs else None
 
 
+class RequestTimes:
+    """What a request sees, summed over requests: time to first token (the call to the first new token on the host)
+    and end-to-end tok/s (new tokens / the whole call, prefill and first token included), beside the decode rate
+    (tokens after the first / time after the prefill). add() takes an engine's GenerationResult."""
+
+    def __init__(self):
+        self.ttft_s: list[float] = []
+        self.tokens = self.decode_tokens = 0
+        self.total_s = self.decode_s = 0.0
+
+    def add(self, res) -> dict:
+        t = res.timings
+        tok = len(res.token_ids)
+        self.ttft_s.append(t.first_token_s)
+        self.tokens, self.total_s = self.tokens + tok, self.total_s + t.total_s
+        self.decode_tokens, self.decode_s = self.decode_tokens + tok - 1, self.decode_s + t.total_s - t.prefill_s
+        return {"ttft_ms": 1e3 * t.first_token_s, "e2e_tok_s": decode_rate(tok, t.total_s),
+                "tok_s": decode_rate(tok - 1, t.total_s - t.prefill_s)}
+
+    @property
+    def tok_s(self) -> float | None:
+        return decode_rate(self.decode_tokens, self.decode_s)
+
+    @property
+    def e2e_tok_s(self) -> float | None:
+        return decode_rate(self.tokens, self.total_s)
+
+    def summary(self, prefix: str = "") -> dict:
+        """{ttft_ms (median over requests), ttft_ms_max, e2e_tok_s}, keys prefixed."""
+        ms = [1e3 * s for s in self.ttft_s]
+        return {f"{prefix}ttft_ms": statistics.median(ms) if ms else None,
+                f"{prefix}ttft_ms_max": max(ms) if ms else None, f"{prefix}e2e_tok_s": self.e2e_tok_s}
+
+
 def predicted_tok_s(accept_len: float | None, verify_ms: float, draft_ms: float, depth: int,
                     overhead_ms: float) -> float | None:
     """economics: τ / (verify + depth · draft + overhead)."""

@@ -26,6 +26,7 @@ NGRAM = "ngram"                             # --drafter ngram: prompt lookup, no
 DEFAULT_MAX_NEW_TOKENS = 128                # eval / generate, per prompt: EAGLE's MT-bench runs use 1024, which
                                             # takes minutes a prompt on a CPU
 SLOT_MARGIN = 8                             # cache slots past a generation's need (EngineConfig.sized_for)
+SMALLEST_PREFILL_BUCKET = 16                # the prefill's shapes: 16, 24, 32, 48, 64, … (prefill_buckets)
 
 
 def check_warp(temperature: float, top_p: float) -> None:
@@ -68,6 +69,10 @@ class EngineConfig:
                                          # the unpadded, faster small-query attention (--fast-attention). None: on
                                          # CUDA, whose kernels follow the row count (on the CPU the padding's
                                          # extra products would buy nothing the fp32 default needs)
+    prefill_buckets: bool | None = None  # the prefill padded to a few fixed lengths (prefill_buckets), each graphed
+                                         # once when the engine starts, so a request never pays a capture or a
+                                         # compile for its prompt's length. None: on with CUDA graphs (eager on the
+                                         # CPU, padding would only add work)
 
     @property
     def is_tree(self) -> bool:
@@ -107,6 +112,25 @@ class EngineConfig:
         cycle's drafts past them and a margin of SLOT_MARGIN slots)."""
         r = self.resolved()
         return replace(r, max_len=prompt_len + new_tokens + r.cycle_slots() + SLOT_MARGIN)
+
+
+def prefill_buckets(max_len: int) -> list[int]:
+    """The lengths a bucketed prefill pads a prompt to: 16 · 2^i and 24 · 2^i below max_len, then max_len
+    itself (a prompt pads to at most 1.5× its length, and a cache of S slots needs about 2·log2(S / 16)
+    graphs)."""
+    sizes, b = set(), SMALLEST_PREFILL_BUCKET
+    while b < max_len:
+        sizes.update(s for s in (b, b * 3 // 2) if s < max_len)
+        b *= 2
+    return sorted(sizes) + [max_len]
+
+
+def prefill_bucket(prompt_len: int, max_len: int) -> int:
+    """The bucket a prompt of prompt_len tokens pads to (the smallest that holds it)."""
+    for b in prefill_buckets(max_len):
+        if b >= prompt_len:
+            return b
+    raise DraftportError(f"a {prompt_len}-token prompt does not fit the engine's {max_len} cache slots")
 
 
 @dataclass

@@ -511,10 +511,12 @@ class NativeDecoder:
         return {kind: fold_mask(masks[kind], self.hq // self.hkv, T) for kind in self.kinds}
 
     def forward(self, ids: torch.Tensor, pos: torch.Tensor, masks, cache, aux_layers: Sequence[int] = (),
-                logits: str | None = "all", compiled: bool | str = False, invariant: bool = False) -> NativeOutput:
-        """logits: "all" (every row), "last" (the last row only) or None (hidden states only); compiled: False
-        (plain), "layer" (or True: the compiled layer halves), "whole" (the whole pass as one compiled region) or
-        "prefill" (the layer halves compiled for dynamic shapes); a scope not enabled (enable_compile) runs plain.
+                logits: str | torch.Tensor | None = "all", compiled: bool | str = False,
+                invariant: bool = False) -> NativeOutput:
+        """logits: "all" (every row), "last" (the last row only), a tensor of row indices (those rows) or None
+        (hidden states only); compiled: False (plain), "layer" (or True: the compiled layer halves), "whole" (the
+        whole pass as one compiled region) or "prefill" (the layer halves compiled for dynamic shapes); a scope not
+        enabled (enable_compile) runs plain.
         invariant: a row's attention does not depend on how many tokens the pass holds (`attend`)."""
         scope = SCOPES[0] if compiled is True else (compiled or None)
         aux_layers = tuple(int(i) for i in aux_layers)
@@ -554,7 +556,10 @@ class NativeDecoder:
             aux = torch.cat([grabbed[i] if i < self.num_layers else last for i in aux_layers], dim=-1)
         out_logits = None
         if logits is not None:
-            h = last[:, -1:] if logits == "last" else last
+            if isinstance(logits, torch.Tensor):  # the rows asked for ([r] indices: a padded prompt's last)
+                h = last.index_select(1, logits)
+            else:
+                h = last[:, -1:] if logits == "last" else last
             out_logits = apply_logit_postprocessing(linear(h, self.head_weight, None, rows), self.model.config)
         return out_logits, aux, last
 

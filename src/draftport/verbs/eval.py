@@ -121,9 +121,9 @@ def run_eval(cfg: EvalConfig, *, target=None, drafter=None, console=None) -> dic
         drafter = load_drafter_for(cfg.drafter, target)
     prompts = encode_prompts(target, convs, cfg.chat_template, cfg.max_len)
     stops = stop_token_ids(target.tokenizer, cfg.chat_template, target.eos_token_ids)
-    ecfg, base, spec, floor, hyb = eval_engines(cfg.decoding, target, drafter, prompts, N, lk, hyb_lk, ngram_only)
+    ecfg, base, spec, floor, hyb, fast = eval_engines(cfg.decoding, target, drafter, prompts, N, lk, hyb_lk, ngram_only)
     run = EvalRun(target, ecfg, base, spec, floor, hyb, lk, hyb_lk, stops, N, ngram_only, flags=flag_record(cfg),
-                  timing_repeats=cfg.timing_repeats, hf_baseline=not cfg.no_hf_baseline)
+                  timing_repeats=cfg.timing_repeats, hf_baseline=not cfg.no_hf_baseline, fast_base=fast)
     run.store_result = store_offline(run, drafter, cfg.store, cfg.offline_samples, console)
     warm_up(run, prompts[0])
     tally = decode_prompts(run, convs, prompts, console)
@@ -235,6 +235,11 @@ def render_eval(summary: dict, console) -> None:
         ("tok/s speculative", fmt(summary["tok_s"], "{:.1f}")),
         ("tok/s no speculation", fmt(summary["baseline_tok_s"], "{:.1f}")),
         ("speedup", fmt(summary["speedup"], "{:.2f}×")),
+        ("time to first token ms (speculative / none)",
+         f"{fmt(summary['ttft_ms'])} / {fmt(summary['baseline_ttft_ms'])}"),
+        ("end-to-end tok/s (speculative / none)",
+         f"{fmt(summary['e2e_tok_s'], '{:.1f}')} / {fmt(summary['baseline_e2e_tok_s'], '{:.1f}')}"),
+        ("end-to-end speedup", fmt(summary["e2e_speedup"], "{:.2f}×")),
         ("tok/s HF generate", fmt(summary["hf_generate_tok_s"], "{:.1f}")),
         ("tok/s predicted (offline τ, isolated steps)", fmt(summary["predicted_tok_s"], "{:.1f}")),
         ("  relative error", fmt(summary["predicted_rel_err"], "{:+.1%}")),
@@ -299,7 +304,8 @@ def render_floor(summary: dict, console) -> None:
         return
     t = Table(title=f"beside the training-free floor (prompt lookup, n {fl['config']['ngram_min']}–"
                     f"{fl['config']['ngram_max']}, {fl['config']['depth']} drafts a cycle)")
-    for col in ("run", "τ", "per-position acceptance", "tok/s", "speedup", "greedy match"):
+    for col in ("run", "τ", "per-position acceptance", "tok/s", "speedup", "TTFT ms", "end-to-end tok/s",
+                "end-to-end speedup", "greedy match"):
         t.add_column(col, justify="left" if col in ("run", "per-position acceptance") else "right")
     runs = [] if summary["config"].get("drafter") == NGRAM else [("drafter", summary)]
     runs.append(("prompt lookup" + (" (offline τ " + fmt(fl["offline_accept_len"], "{:.3f}") + ")"), fl))
@@ -307,7 +313,8 @@ def render_floor(summary: dict, console) -> None:
         runs.append((f"hybrid (n-gram when match ≥ {summary['hybrid']['config']['min_match']})", summary["hybrid"]))
     for name, r in runs:
         t.add_row(name, fmt(r["accept_len"], "{:.3f}"), " ".join(f"{x:.2f}" for x in r["per_position_accept"]),
-                  fmt(r["tok_s"], "{:.1f}"), fmt(r["speedup"], "{:.2f}×"), fmt(r["match_rate"], "{:.4f}"))
+                  fmt(r["tok_s"], "{:.1f}"), fmt(r["speedup"], "{:.2f}×"), fmt(r["ttft_ms"]),
+                  fmt(r["e2e_tok_s"], "{:.1f}"), fmt(r["e2e_speedup"], "{:.2f}×"), fmt(r["match_rate"], "{:.4f}"))
     console.print(t)
     by = fl.get("by_match_len") or {}
     if by:

@@ -13,7 +13,7 @@ from draftport.data.chat import ChatTemplate, resolve_chat_template, stop_token_
 from draftport.data.conversations import Conversation
 from draftport.decode.engine import SpecEngine
 from draftport.decode.evaluate import encode_prompts, lookup_for, split_tau
-from draftport.decode.measure import decode_rate
+from draftport.decode.measure import RequestTimes
 from draftport.decode.options import DEFAULT_MAX_NEW_TOKENS, NGRAM, EngineConfig, LookupConfig
 from draftport.errors import DraftportError
 from draftport.model.formats import load_drafter_for
@@ -62,7 +62,7 @@ def run_generate(cfg: GenerateConfig, *, target=None, drafter=None) -> dict:
     for s in (template.stop_strings if isinstance(template, ChatTemplate) else ()):
         text = text.split(s)[0]  # a base model runs on into the next "User:" turn; the engine stops on ids only
     return {"text": text, "token_ids": r.token_ids, "accept_len": r.accept_len if speculative else 1.0,
-            "tok_s": decode_rate(len(r.token_ids) - 1, r.timings.total_s - r.timings.prefill_s),
+            **RequestTimes().add(r),  # tok_s (decode), ttft_ms, e2e_tok_s
             "cycles": r.cycles, "prompt_tokens": len(ids), "speculative": speculative,
             "drafter_kind": "hybrid" if cfg.lookup.hybrid else ("ngram" if ngram_only else ("eagle3" if drafter else None)),
             "by_source": split_tau(r.sources, r.accept_lens) if lk is not None else None,
