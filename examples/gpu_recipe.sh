@@ -21,8 +21,10 @@
 #           TRAIN_STEPS × TRAIN_BATCH online steps
 #   curve   examples/learning_curve.py over $OUT/train-chat's milestones and final drafter
 #   goal    the final drafter on GOAL_SAMPLES of MT-bench's first turns (EVAL_NEW_TOKENS each, depth DEPTH, the floor
-#           beside it), once per dtype in GOAL_DTYPES (bf16; add fp32 for the token-for-token check: bf16's verify
-#           and 1-token step round differently), and the `more` stage's drafter when there is one
+#           and, with GOAL_HYBRID=1, the hybrid beside it; time to first token and end-to-end tok/s beside decode
+#           tok/s), greedy and at each temperature in GOAL_TEMPS, once per dtype in GOAL_DTYPES (bf16; add fp32 for
+#           the token-for-token check: bf16's verify and 1-token step can round differently), and the `more` stage's
+#           drafter when there is one
 #   more    (only when named) the final drafter trained on for MORE_STEPS more (--init-from, lr MORE_LR, on the train
 #           stage's answers, no regeneration) into $OUT/train-more, and its MT-bench eval of the curve's size: does
 #           τ still rise with tokens on the same answers? (a warm restart, not one longer schedule)
@@ -45,7 +47,7 @@
 #   TRAIN_STEPS=1300 TRAIN_BATCH=64 TRAIN_LR=1e-3 TTT=4 GROUP_BY_LENGTH=32 AUX_SCALE=1 MARKS=500k,2M,5M,10M,20M
 #   SAVE_EVERY=250 CHAT_STEPS=700 CHAT_BATCH=16 CHAT_CONVS=10520 CHAT_MAX_LEN=512
 #   EVAL_SAMPLES=10 EVAL_NEW_TOKENS=200 DEPTH=3 EXTRA_SETS=humaneval,mt-bench:math DEVICE=cuda
-#   GOAL_SAMPLES=80 GOAL_DTYPES=bf16 MORE_STEPS=900 MORE_LR=3e-4 SWEEP_GRID=lr=3e-4,1e-3,3e-3 SWEEP_STEPS=150
+#   GOAL_SAMPLES=80 GOAL_DTYPES=bf16 GOAL_TEMPS=0.7 GOAL_HYBRID=1 MORE_STEPS=900 MORE_LR=3e-4 SWEEP_GRID=lr=3e-4,1e-3,3e-3 SWEEP_STEPS=150
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-./gpu-recipe}
@@ -67,7 +69,8 @@ CHAT_STEPS=${CHAT_STEPS:-700}; CHAT_BATCH=${CHAT_BATCH:-16}; CHAT_CONVS=${CHAT_C
 EVAL_SAMPLES=${EVAL_SAMPLES:-10}; EVAL_NEW_TOKENS=${EVAL_NEW_TOKENS:-200}; DEPTH=${DEPTH:-3}
 EXTRA_SETS=${EXTRA_SETS:-humaneval,mt-bench:math}; DEVICE=${DEVICE:-cuda}
 SWEEP_GRID=${SWEEP_GRID:-lr=3e-4,1e-3,3e-3}; SWEEP_STEPS=${SWEEP_STEPS:-150}
-GOAL_SAMPLES=${GOAL_SAMPLES:-80}; GOAL_DTYPES=${GOAL_DTYPES:-bf16}; MORE_STEPS=${MORE_STEPS:-900}; MORE_LR=${MORE_LR:-3e-4}
+GOAL_SAMPLES=${GOAL_SAMPLES:-80}; GOAL_DTYPES=${GOAL_DTYPES:-bf16}; GOAL_TEMPS=${GOAL_TEMPS:-0.7}; GOAL_HYBRID=${GOAL_HYBRID:-1}
+MORE_STEPS=${MORE_STEPS:-900}; MORE_LR=${MORE_LR:-3e-4}
 STAGES=${1:-${STAGES:-all}}
 DRY_RUN=${DRY_RUN:-}
 ALL_STAGES="data chat train curve goal"
@@ -123,11 +126,12 @@ if want curve; then
       --max-new-tokens "$EVAL_NEW_TOKENS" --depth "$DEPTH" --device "$DEVICE" --out "$OUT/curve"
   lap "curve"
 fi
-mt_bench_eval() {  # $1 drafter, $2 out, $3 prompts, $4 dtype: one eval on MT-bench's first turns (floor beside it)
+mt_bench_eval() {  # $1 drafter, $2 out, $3 prompts, $4 dtype, then eval's own flags: one eval on MT-bench's first
+  # turns (floor beside it)
   if [ -f "$2/summary.json" ]; then echo "gpu_recipe: $2 exists, skipped"; else
     run "$PY" -m draftport eval --target "$CHAT" --chat-template gemma --drafter "$1" --prompts mt-bench \
         --max-samples "$3" --max-new-tokens "$EVAL_NEW_TOKENS" --depth "$DEPTH" --dtype "$4" --no-hf-baseline \
-        --device "$DEVICE" --out "$2"
+        --device "$DEVICE" --out "$2" "${@:5}"
   fi
 }
 if named more; then
@@ -141,8 +145,12 @@ if named more; then
   lap "more"
 fi
 if want goal; then
+  HYB=(); [ "$GOAL_HYBRID" = 1 ] && HYB=(--hybrid)
   for dt in ${GOAL_DTYPES//,/ }; do
-    mt_bench_eval "$OUT/train-chat/final" "$OUT/goal/final-$dt" "$GOAL_SAMPLES" "$dt"
+    mt_bench_eval "$OUT/train-chat/final" "$OUT/goal/final-$dt" "$GOAL_SAMPLES" "$dt" "${HYB[@]}"
+    for temp in ${GOAL_TEMPS//,/ }; do  # sampled: the same prompts at each temperature
+      mt_bench_eval "$OUT/train-chat/final" "$OUT/goal/final-$dt-t$temp" "$GOAL_SAMPLES" "$dt" "${HYB[@]}" --temperature "$temp"
+    done
   done
   [ -d "$OUT/train-more/final" ] && mt_bench_eval "$OUT/train-more/final" "$OUT/goal/more-bf16" "$GOAL_SAMPLES" bf16
   lap "goal"

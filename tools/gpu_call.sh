@@ -35,11 +35,14 @@
 # The stages (≈ 2 min and ≈ 14–15 min on one H100, plus ≈ 5 for `more` and ≈ 1.5 for the chat bench):
 #   pre    alone on the GPU: the machine's record (res/machine.txt), the batch engine's CUDA tests
 #          (`pytest -m gpu tests/decode/test_batch.py` into res/gpu-tests-batch.txt; they run the engine's CUDA
-#          defaults, the compiled prefill included) and the plain-decoder anchor (res/anchor-gemma.json).
+#          defaults, the compiled prefill included), the plain-decoder anchor (res/anchor-gemma.json) and the
+#          single-sequence engine's prefill and bf16 CUDA tests (res/gpu-tests-engine-pre.txt; all of its CUDA tests
+#          end the chain: res/gpu-tests-engine.txt).
 #   chain  after pre: chat target A (`gpu_recipe.sh data,chat`) → regeneration and training (`gpu_recipe.sh train`:
 #          REGEN_BATCH rows, 4 answers a prompt, TRAIN_STEPS × TRAIN_BATCH, length-grouped, --aux-scale, milestones
 #          MARKS) with the early curve from milestone EARLY_AT beside it → the final curve with HumanEval and the math
-#          set (`curve`) → the goal eval (`goal`: the final drafter on all 80 MT-bench first turns) → `STAGES=more,goal`
+#          set (`curve`; CURVE=0 skips both curves) → `benchmarks/bench_request.py` (BENCH_REQUEST=1: TTFT with the
+#          prefill bucketed and not, beside the prefill forward alone) → the goal eval (`goal`: the final drafter on all 80 MT-bench first turns) → `STAGES=more,goal`
 #          (MORE=1: 900 more steps from the final drafter, and its eval) → the sweep (if $W/sweep) →
 #          `benchmarks/bench_generate.py` on the chat target (BENCH_CHAT=1).
 #          The flex gate: regeneration runs on `batch-flex` (gpu_recipe.sh's default) only if pre's flex equivalence
@@ -142,6 +145,11 @@ cmd_pre() {  # before the chain, alone on the GPU, needing no GGUF (it runs as s
   timeout 300 python3 -m pytest -q -p no:cacheprovider -p no:logging -m gpu tests/decode/test_batch.py -rA --tb=short > $R/gpu-tests-batch.txt 2>&1
   echo "pre: gpu tests rc=$? $(date -u +%T)"
   python3 $W/plain_decoder_step.py gemma_like > $R/anchor-gemma.json 2> $L/anchor.log; echo "pre: anchor rc=$? $(date -u +%T)"
+  # the single-sequence engine's prefill captured only at the start, and its bf16 text (the rest of its CUDA tests
+  # after the chain)
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -p no:logging -m gpu tests/decode/test_engine.py -rA --tb=short \
+    -k "captures_and_compiles or bf16_speculative" > $R/gpu-tests-engine-pre.txt 2>&1
+  echo "pre: engine gpu tests rc=$? $(date -u +%T)"
   touch $W/pre.done
 }
 
@@ -156,7 +164,7 @@ cmd_chain() {  # the recipe for a full budget, detached (after pre)
   export OUT=$W/recipe PYTHON=python3 DRAFTPORT_CACHE=$W/recipe/cache
   export REGEN_BATCH=1024 TRAIN_STEPS=1300 TRAIN_BATCH=64 MARKS=500k,2M,5M,10M,20M GROUP_BY_LENGTH=32 AUX_SCALE=1
   EARLY_AT=10000000  # the early curve starts once this milestone is published
-  MORE=1; BENCH_CHAT=1
+  MORE=1; BENCH_CHAT=1; CURVE=1; BENCH_REQUEST=1
   [ -f $W/env ] && . $W/env  # a call may cut the run to the budget left (e.g. TRAIN_STEPS, MARKS, EXTRA_SETS)
   stamp() { echo "chain: $1 at $(date -u +%T)"; }
   stamp "start (code $(cat $W/COMMIT 2>/dev/null))"
@@ -166,7 +174,8 @@ cmd_chain() {  # the recipe for a full budget, detached (after pre)
   bash examples/gpu_recipe.sh data,chat > $L/chat.log 2>&1; stamp "chat rc=$?"
   bash examples/gpu_recipe.sh train > $L/train.log 2>&1 &
   local TRAIN=$!
-  ( while kill -0 $TRAIN 2>/dev/null && [ ! -f $OUT/train-chat/at-tokens/$EARLY_AT/milestone.json ]; do sleep 5; done
+  ( [ "$CURVE" = 1 ] || exit 0
+    while kill -0 $TRAIN 2>/dev/null && [ ! -f $OUT/train-chat/at-tokens/$EARLY_AT/milestone.json ]; do sleep 5; done
     stamp "early curve starts"
     python3 examples/learning_curve.py --target $OUT/chat-target --chat-template gemma --run $OUT/train-chat \
       --sets "mt-bench,held-out=$OUT/data/heldout.jsonl" --max-samples 10 --max-new-tokens 200 --depth 3 --device cuda \
@@ -175,7 +184,13 @@ cmd_chain() {  # the recipe for a full budget, detached (after pre)
   # the sweep runs after the training: beside it on an 80 GB card the two ran out of memory
   wait $TRAIN; stamp "train rc=$?"
   wait $EARLY
-  [ ! -f $W/stop ] && { bash examples/gpu_recipe.sh curve > $L/curve.log 2>&1; stamp "curve rc=$?"; }
+  [ ! -f $W/stop ] && [ "$CURVE" = 1 ] && { bash examples/gpu_recipe.sh curve > $L/curve.log 2>&1; stamp "curve rc=$?"; }
+  if [ ! -f $W/stop ] && [ "$BENCH_REQUEST" = 1 ]; then  # what a request sees: TTFT bucketed / not, the prefill alone
+    timeout 300 python3 benchmarks/bench_request.py --target $OUT/chat-target --chat-template gemma \
+      --drafter $OUT/train-chat/final --device cuda --dtype bf16 --n 20 --prompt-len 50 --out $R/bench-request.json \
+      > $L/bench-request.log 2>&1
+    stamp "bench-request rc=$?"
+  fi
   [ ! -f $W/stop ] && { bash examples/gpu_recipe.sh goal > $L/goal.log 2>&1; stamp "goal rc=$?"; }
   if [ ! -f $W/stop ] && [ "$MORE" = 1 ]; then  # then goal once more: it evaluates the warm start's drafter
     STAGES=more,goal bash examples/gpu_recipe.sh > $L/more.log 2>&1; stamp "more rc=$?"
@@ -191,6 +206,11 @@ cmd_chain() {  # the recipe for a full budget, detached (after pre)
       --temperature 0.8 --samples 2 --split --profile $R/profile-generate-chat.txt --out $R/bench-generate-chat.json \
       > $L/bench-generate-chat.log 2>&1
     stamp "bench-generate (chat target) rc=$?"
+  fi
+  if [ ! -f $W/stop ]; then  # every CUDA test of the single-sequence engine, alone on the GPU
+    timeout 400 python3 -m pytest -q -p no:cacheprovider -p no:logging -m gpu tests/decode/test_engine.py -rA --tb=short \
+      > $R/gpu-tests-engine.txt 2>&1
+    stamp "engine gpu tests rc=$?"
   fi
   touch $W/chain.done; stamp done
 }
