@@ -47,7 +47,7 @@
 #   TRAIN_STEPS=1300 TRAIN_BATCH=64 TRAIN_LR=1e-3 TTT=4 GROUP_BY_LENGTH=32 AUX_SCALE=1 MARKS=500k,2M,5M,10M,20M
 #   SAVE_EVERY=250 CHAT_STEPS=700 CHAT_BATCH=16 CHAT_CONVS=10520 CHAT_MAX_LEN=512
 #   EVAL_SAMPLES=10 EVAL_NEW_TOKENS=200 DEPTH=3 EXTRA_SETS=humaneval,mt-bench:math DEVICE=cuda
-#   GOAL_SAMPLES=80 GOAL_DTYPES=bf16 GOAL_TEMPS=0.7 GOAL_HYBRID=1 MORE_STEPS=900 MORE_LR=3e-4 SWEEP_GRID=lr=3e-4,1e-3,3e-3 SWEEP_STEPS=150
+#   GOAL_SAMPLES=80 GOAL_DTYPES=bf16 GOAL_TEMPS=0.7 GOAL_HYBRID=1 GOAL_DRAFTER=$OUT/train-chat/final MORE_STEPS=900 MORE_LR=3e-4 SWEEP_GRID=lr=3e-4,1e-3,3e-3 SWEEP_STEPS=150
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-./gpu-recipe}
@@ -70,6 +70,7 @@ EVAL_SAMPLES=${EVAL_SAMPLES:-10}; EVAL_NEW_TOKENS=${EVAL_NEW_TOKENS:-200}; DEPTH
 EXTRA_SETS=${EXTRA_SETS:-humaneval,mt-bench:math}; DEVICE=${DEVICE:-cuda}
 SWEEP_GRID=${SWEEP_GRID:-lr=3e-4,1e-3,3e-3}; SWEEP_STEPS=${SWEEP_STEPS:-150}
 GOAL_SAMPLES=${GOAL_SAMPLES:-80}; GOAL_DTYPES=${GOAL_DTYPES:-bf16}; GOAL_TEMPS=${GOAL_TEMPS:-0.7}; GOAL_HYBRID=${GOAL_HYBRID:-1}
+GOAL_DRAFTER=${GOAL_DRAFTER:-$OUT/train-chat/final}  # or ngram: prompt lookup alone
 MORE_STEPS=${MORE_STEPS:-900}; MORE_LR=${MORE_LR:-3e-4}
 STAGES=${1:-${STAGES:-all}}
 DRY_RUN=${DRY_RUN:-}
@@ -145,11 +146,11 @@ if named more; then
   lap "more"
 fi
 if want goal; then
-  HYB=(); [ "$GOAL_HYBRID" = 1 ] && HYB=(--hybrid)
+  HYB=(); [ "$GOAL_HYBRID" = 1 ] && [ "$GOAL_DRAFTER" != ngram ] && HYB=(--hybrid)
   for dt in ${GOAL_DTYPES//,/ }; do
-    mt_bench_eval "$OUT/train-chat/final" "$OUT/goal/final-$dt" "$GOAL_SAMPLES" "$dt" "${HYB[@]}"
+    mt_bench_eval "$GOAL_DRAFTER" "$OUT/goal/final-$dt" "$GOAL_SAMPLES" "$dt" "${HYB[@]}"
     for temp in ${GOAL_TEMPS//,/ }; do  # sampled: the same prompts at each temperature
-      mt_bench_eval "$OUT/train-chat/final" "$OUT/goal/final-$dt-t$temp" "$GOAL_SAMPLES" "$dt" "${HYB[@]}" --temperature "$temp"
+      mt_bench_eval "$GOAL_DRAFTER" "$OUT/goal/final-$dt-t$temp" "$GOAL_SAMPLES" "$dt" "${HYB[@]}" --temperature "$temp"
     done
   done
   [ -d "$OUT/train-more/final" ] && mt_bench_eval "$OUT/train-more/final" "$OUT/goal/more-bf16" "$GOAL_SAMPLES" bf16

@@ -165,6 +165,7 @@ cmd_chain() {  # the recipe for a full budget, detached (after pre)
   export REGEN_BATCH=1024 TRAIN_STEPS=1300 TRAIN_BATCH=64 MARKS=500k,2M,5M,10M,20M GROUP_BY_LENGTH=32 AUX_SCALE=1
   EARLY_AT=10000000  # the early curve starts once this milestone is published
   MORE=1; BENCH_CHAT=1; CURVE=1; BENCH_REQUEST=1
+  TRAIN=1  # 0: no regeneration or training; the request bench times a random drafter, the goal evaluates prompt lookup
   [ -f $W/env ] && . $W/env  # a call may cut the run to the budget left (e.g. TRAIN_STEPS, MARKS, EXTRA_SETS)
   stamp() { echo "chain: $1 at $(date -u +%T)"; }
   stamp "start (code $(cat $W/COMMIT 2>/dev/null))"
@@ -172,22 +173,24 @@ cmd_chain() {  # the recipe for a full budget, detached (after pre)
   flex_gate || export REGEN_ENGINE=${REGEN_ENGINE:-batch}
   stamp "regeneration engine: ${REGEN_ENGINE:-batch-flex}, ${SAMPLES:-4} answers a prompt"
   bash examples/gpu_recipe.sh data,chat > $L/chat.log 2>&1; stamp "chat rc=$?"
-  bash examples/gpu_recipe.sh train > $L/train.log 2>&1 &
-  local TRAIN=$!
+  local DRAFTER=$OUT/train-chat/final
+  [ "$TRAIN" = 1 ] || { DRAFTER=random; MORE=0; CURVE=0; export GOAL_DRAFTER=ngram; }
+  if [ "$TRAIN" = 1 ]; then bash examples/gpu_recipe.sh train > $L/train.log 2>&1 & else true & fi
+  local TRAIN_PID=$!
   ( [ "$CURVE" = 1 ] || exit 0
-    while kill -0 $TRAIN 2>/dev/null && [ ! -f $OUT/train-chat/at-tokens/$EARLY_AT/milestone.json ]; do sleep 5; done
+    while kill -0 $TRAIN_PID 2>/dev/null && [ ! -f $OUT/train-chat/at-tokens/$EARLY_AT/milestone.json ]; do sleep 5; done
     stamp "early curve starts"
     python3 examples/learning_curve.py --target $OUT/chat-target --chat-template gemma --run $OUT/train-chat \
       --sets "mt-bench,held-out=$OUT/data/heldout.jsonl" --max-samples 10 --max-new-tokens 200 --depth 3 --device cuda \
       --out $OUT/curve > $L/curve-early.log 2>&1; stamp "early curve rc=$?" ) &
   local EARLY=$!
   # the sweep runs after the training: beside it on an 80 GB card the two ran out of memory
-  wait $TRAIN; stamp "train rc=$?"
+  wait $TRAIN_PID; stamp "train rc=$?"
   wait $EARLY
   [ ! -f $W/stop ] && [ "$CURVE" = 1 ] && { bash examples/gpu_recipe.sh curve > $L/curve.log 2>&1; stamp "curve rc=$?"; }
   if [ ! -f $W/stop ] && [ "$BENCH_REQUEST" = 1 ]; then  # what a request sees: TTFT bucketed / not, the prefill alone
     timeout 300 python3 benchmarks/bench_request.py --target $OUT/chat-target --chat-template gemma \
-      --drafter $OUT/train-chat/final --device cuda --dtype bf16 --n 20 --prompt-len 50 --out $R/bench-request.json \
+      --drafter $DRAFTER --device cuda --dtype bf16 --n 20 --prompt-len 50 --out $R/bench-request.json \
       > $L/bench-request.log 2>&1
     stamp "bench-request rc=$?"
   fi
