@@ -95,6 +95,18 @@ def _umask() -> int:
     return mask
 
 
+def file_mode() -> int:
+    """The mode open() gives a new file: 0666 less the umask (0644 under the usual 022)."""
+    return 0o666 & ~_umask()
+
+
+def set_file_mode(path: str | os.PathLike) -> None:
+    """Give a file written through a temporary file (mkstemp, safetensors' writer: both create 0600) the mode
+    open() would have given it, so that an engine or a colleague running as another user can read a
+    checkpoint, an export or a store as they can any other file in the folder."""
+    os.chmod(path, file_mode())
+
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     """Write to a temporary file in the same directory, fsync, rename over `path`."""
     path = os.fspath(path)
@@ -104,7 +116,7 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     try:
         # mkstemp creates 0600; the file gets the mode open() would give it (0666 less the umask), so a
         # report or summary is readable by whoever may read the directory, as any other file written there
-        os.fchmod(fd, 0o666 & ~_umask())
+        os.fchmod(fd, file_mode())
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
