@@ -417,9 +417,10 @@ def save_checkpoint(t: Trainer, done: int, step: Step, seen: int, meta: dict) ->
                           "min_ratio": MIN_LR_RATIO, "next_lr": lr_at(done, t.steps, t.peak, t.warmup)}}
 
     def write_model(d, full_sd):
-        # SGLang's layout holds one decoder layer; a deeper drafter is written as vLLM spells its layers
-        fmt = "sglang" if t.drafter.spec.num_layers == 1 else "vllm"
-        save_drafter(rundir.export_copy(t.drafter.spec, full_sd), d, format=fmt, target=t.target, layers=t.layers)
+        # vLLM's layout: its config carries the aux ids where each engine reads them (eagle_config for SGLang,
+        # the top level for vLLM), so both feed the layers trained, and it spells a deeper drafter's layers as
+        # vLLM loads them; with one decoder layer SGLang loads it as its own layout
+        save_drafter(rundir.export_copy(t.drafter.spec, full_sd), d, format="vllm", target=t.target, layers=t.layers)
 
     return str(rundir.save_training_state(t.out, done, t.model, t.opt, t.info, meta, write_model=write_model,
                                           keep_last=t.run.keep_last, skip=(EMBED,)))
