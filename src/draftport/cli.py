@@ -252,7 +252,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="validate every N steps (default steps/5; 0: only before the first step and after the last)")
     p.add_argument("--save-every", type=COUNT, default=None, help="checkpoint every N steps (default 1000; always at the end)")
     p.add_argument("--keep-last", type=NON_NEGATIVE, default=None,
-                   help="keep the newest N checkpoints (default 3; 0 keeps every one)")
+                   help="keep the newest N checkpoints (default 3; 0 keeps every one); the optimizer's moments, "
+                        "twice the weights, are kept in the newest only")
     p.add_argument("--save-at-tokens", type=_token_counts, default=None,
                    help="also publish the drafter at these training-token counts, e.g. 500k,2M,20M "
                         "(<out>/at-tokens/<N>/, kept: a learning curve from one run)")
