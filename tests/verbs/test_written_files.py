@@ -108,12 +108,19 @@ def test_train_reports_checkpoint_disk_use_and_keeps_the_moments_in_the_newest_o
     from draftport.capture.capture import human_bytes
 
     assert f"checkpoints: 3 in {out / rundir.CHECKPOINTS}, {human_bytes(on_disk)} on disk" in run["train_text"]
-    # the finished run, rerun: it resumes from the newest (its moments included) and has nothing left to do
-    rc, answer, err = _cli(["train", "--target", str(run["target"]), "--data", str(run["store"]), "--out", str(out),
-                            "--steps", str(STEPS), "--save-every", "1", "--batch-size", "2", "--ttt-steps", "2",
-                            "--device", "cpu", "--json"])
+    # the finished run, rerun: it resumes from the newest (its moments included) and has nothing left to do; what a
+    # kill inside a prune leaves (a renamed, half-deleted checkpoint) goes, though the rerun writes no checkpoint
+    (out / rundir.CHECKPOINTS / ".trash-step-00000001-99" / "resume").mkdir(parents=True)
+    old = os.umask(0o022)  # as the pipeline's (the modes test may run after this)
+    try:
+        rc, answer, err = _cli(["train", "--target", str(run["target"]), "--data", str(run["store"]), "--out",
+                                str(out), "--steps", str(STEPS), "--save-every", "1", "--batch-size", "2",
+                                "--ttt-steps", "2", "--device", "cpu", "--json"])
+    finally:
+        os.umask(old)
     assert rc == 0 and json.loads(answer)["resumed_from_step"] == STEPS, err
     assert "weights only" not in err
+    assert sorted(os.listdir(out / rundir.CHECKPOINTS)) == ["step-00000002", "step-00000003", "step-00000004"]
 
 
 def test_launch_lines_name_the_target_directory(run):

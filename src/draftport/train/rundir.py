@@ -209,7 +209,9 @@ def check_run_dir(out: str | os.PathLike, request: dict, restart: bool) -> None:
                                  "start over, or use another --out", out)
 
 def start_run_dir(out: str | os.PathLike, request: dict, restart: bool) -> None:
-    """Rank 0: --restart deletes this run's files (and nothing else in --out); record the flags."""
+    """Rank 0: --restart deletes this run's files (and nothing else in --out); record the flags. A kill's
+    leftover temp / trash directories go too: a finished run rerun writes no checkpoint, whose save would
+    remove them."""
     out = Path(out)
     if restart:
         for name in RUN_DIRS:
@@ -217,6 +219,7 @@ def start_run_dir(out: str | os.PathLike, request: dict, restart: bool) -> None:
         for name in RUN_FILES:
             if (out / name).exists():
                 (out / name).unlink()
+    prune(out, keep_last=0)
     atomic_write_json(out / RUN_FILE, request)
 
 def keep_metrics(path: str | os.PathLike, upto_step: int) -> None:
