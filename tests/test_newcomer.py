@@ -11,7 +11,7 @@ import stat
 import pytest
 
 from draftport.cli import build_parser, main
-from draftport.safeio import FAILED_FILE, atomic_write_bytes, clean_failed_out
+from draftport.safeio import FAILED_FILE, atomic_write_bytes, clean_failed_out, first_new_dir
 
 
 def test_a_bad_flag_value_is_one_line_and_exit_2(capsys):
@@ -96,6 +96,24 @@ def test_a_failed_run_that_wrote_something_keeps_it_with_a_note(tmp_path):
     (new / "run.json").write_text("{}")
     (new / "tb" / "events.out.tfevents.1.host").write_bytes(b"")
     assert clean_failed_out(str(new), False, "boom") == "removed" and not new.exists()
+    # a study whose check stage ran (stage.json, done.json) holds nothing else: removed, with the parents the
+    # command made (./draftport-runs/); a stage that wrote data keeps the folder
+    runs = tmp_path / "cwd" / "draftport-runs"
+    study = runs / "study-1"
+    made_from = first_new_dir(study)
+    assert made_from == str(tmp_path / "cwd")
+    (study / "check").mkdir(parents=True)
+    (study / "check" / "stage.json").write_text("{}")
+    (study / "check" / "done.json").write_text("{}")
+    assert clean_failed_out(str(study), False, "boom", made_from) == "removed" and not (tmp_path / "cwd").exists()
+    (study / "capture").mkdir(parents=True)
+    (study / "capture" / "stage.json").write_text("{}")
+    (study / "capture" / "shard-00000.safetensors").write_bytes(b"x")
+    assert clean_failed_out(str(study), False, "boom", made_from) == str(study / FAILED_FILE)
+    # a parent the user put something into meanwhile stays
+    other = runs / "train-2"
+    (runs / "keep.txt").write_text("mine")
+    assert clean_failed_out(str(other), False, "boom", str(runs)) is None and (runs / "keep.txt").exists()
 
 
 def test_atomic_writes_get_the_mode_open_would_give(tmp_path):
@@ -135,3 +153,72 @@ def test_config_only_tensor_differences_say_they_are_implied(capsys, fixtures_di
     assert any(f["code"] == "config_only" for f in r["findings"])
     td = [f for f in r["findings"] if f["code"] == "tensors_differ"]
     assert td and all(f["message"].startswith("as the configs imply (no weights read)") for f in td)
+
+
+# ---------------------------------------------------------------------------------------------
+# Every verb, given a bad input in an empty working directory: exit 2, the error in one line naming the input,
+# and nothing left behind (not even ./draftport-runs/). Each case fails before any model loads except where it
+# says "after": those fail once the verb has made its folder, and print their progress before the error.
+
+def _tiny_target_dir(path) -> str:
+    from draftport.model.target import tiny_target
+
+    t = tiny_target("llama", seed=0)
+    t.model.save_pretrained(path)
+    t.tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def _bad_input_cases(tmp, fixtures) -> list[tuple[str, list[str], str, bool]]:
+    """(verb, argv, text the error names, fails after making its folder)."""
+    drafter = str(fixtures / "drafter-llama3.1-8b-eagle3-sglang")   # a config without weights
+    missing, gone = str(tmp / "missing-target"), str(tmp / "missing.jsonl")
+    one = _convs(tmp / "one.jsonl", 1)
+    return [
+        ("check", ["check", str(tmp / "no-drafter")], "no-drafter", False),
+        ("economics", ["economics", "--verify-ms", "5"], "--draft-ms", False),
+        ("capture", ["capture", "--target", "tiny-llama", "--data", gone], gone, False),
+        ("capture", ["capture", "--target", missing, "--data", "mt-bench"], missing, False),
+        ("train", ["train", "--target", missing, "--data", "mt-bench"], missing, False),
+        ("train", ["train", "--target", "tiny-llama", "--data", str(one), "--device", "cpu"], "at least 2", True),
+        ("eval", ["eval", "--target", "tiny-llama", "--drafter", str(tmp / "no-drafter")], "no-drafter", False),
+        ("eval", ["eval", "--target", missing, "--drafter", "ngram"], missing, False),
+        ("generate", ["generate", "--target", missing, "--prompt", "hi"], missing, False),
+        ("probe", ["probe", "--target-a", "tiny-llama", "--target-b", missing, "--data", "mt-bench"], missing, False),
+        ("probe", ["probe", "--target-a", "tiny-llama", "--target-b", "tiny-llama", "--data", gone], gone, False),
+        ("export", ["export", str(tmp / "no-drafter"), "--format", "sglang"], "no-drafter", False),
+        ("export", ["export", drafter, "--format", "vllm"], "no weights", False),
+        ("study", ["study", "--target-a", "tiny-llama", "--drafter-a", drafter, "--target-b", missing,
+                   "--data", "mt-bench"], f"--target-b: {missing}", False),
+        ("study", ["study", "--target-a", "tiny-llama", "--drafter-a", str(tmp / "no-drafter"), "--target-b",
+                   "tiny-llama", "--data", "mt-bench"], "--drafter-a", False),
+        ("study", ["study", "--target-a", "tiny-llama", "--drafter-a", drafter, "--target-b",
+                   _tiny_target_dir(tmp / "tiny"), "--data", gone], gone, False),
+        # the check stage runs (its folder and stage files exist) and finds an 8B drafter cannot read a tiny target
+        ("study", ["study", "--target-a", "tiny-llama", "--drafter-a", drafter, "--target-b", str(tmp / "tiny"),
+                   "--data", "mt-bench"], "cannot be fed by target B", True),
+        ("demo", ["demo", "--out", str(tmp / "a-file")], "not a directory", False),
+    ]
+
+
+def test_every_verb_on_bad_input_exits_2_in_one_line_and_leaves_nothing(tmp_path, monkeypatch, capsys, fixtures_dir):
+    from draftport.cli import VERBS
+
+    inputs, cwd = tmp_path / "inputs", tmp_path / "cwd"
+    inputs.mkdir()
+    cwd.mkdir()
+    (inputs / "a-file").write_text("mine\n")
+    cases = _bad_input_cases(inputs, fixtures_dir)
+    assert {verb for verb, *_ in cases} == set(VERBS)  # every verb has a case
+    before = sorted(p.relative_to(inputs) for p in inputs.rglob("*"))
+    capsys.readouterr()  # transformers' "Writing model shards" bar of the tiny target saved above
+    monkeypatch.chdir(cwd)
+    for verb, argv, names, after in cases:
+        rc = main(argv)
+        err = capsys.readouterr().err
+        lines = [ln for ln in err.splitlines() if ln.strip()]
+        assert rc == 2 and lines and lines[-1].startswith("draftport: ") and names in lines[-1], (argv, err)
+        assert "Traceback" not in err and (after or len(lines) == 1), (argv, err)
+        assert os.listdir(cwd) == [], (argv, os.listdir(cwd))  # no draftport-runs/<verb>-<time>/, no draftport-runs/
+        assert sorted(p.relative_to(inputs) for p in inputs.rglob("*")) == before, argv
+    assert (inputs / "a-file").read_text() == "mine\n"

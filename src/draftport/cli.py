@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from draftport.check.layers import validate_aux_ids
 from draftport.decode.options import NATIVE_COMPILE, REGEN_ENGINES, SDPA_CHOICES, TARGET_PASSES
 from draftport.errors import DraftportError, is_disk_full, report
-from draftport.safeio import FAILED_FILE, clean_failed_out, default_out
+from draftport.safeio import FAILED_FILE, clean_failed_out, default_out, first_new_dir
 from draftport.train.config import parse_token_counts
 from draftport.verbs.flags import config_from
 
@@ -252,7 +252,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="validate every N steps (default steps/5; 0: only before the first step and after the last)")
     p.add_argument("--save-every", type=COUNT, default=None, help="checkpoint every N steps (default 1000; always at the end)")
     p.add_argument("--keep-last", type=NON_NEGATIVE, default=None,
-                   help="keep the newest N checkpoints (default 3; 0 keeps every one)")
+                   help="keep the newest N checkpoints (default 3; 0 keeps every one); the optimizer's moments, "
+                        "twice the weights, are kept in the newest only")
     p.add_argument("--save-at-tokens", type=_token_counts, default=None,
                    help="also publish the drafter at these training-token counts, e.g. 500k,2M,20M "
                         "(<out>/at-tokens/<N>/, kept: a learning curve from one run)")
@@ -360,6 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     module_name, config_name, main_name = VERBS[args.verb]
     out = getattr(args, "out", None) if args.verb in WRITING_VERBS else None
     existed = out is not None and os.path.exists(out)
+    made_from = first_new_dir(out) if out is not None else None  # ./draftport-runs/ too, when this run makes it
     try:
         module = importlib.import_module(module_name)
         cfg = config_from_args(getattr(module, config_name), args)
@@ -368,16 +370,16 @@ def main(argv: list[str] | None = None) -> int:
             os.unlink(os.path.join(out, FAILED_FILE))
         return rc
     except DraftportError as exc:
-        clean_failed_out(out, existed, str(exc))
+        clean_failed_out(out, existed, str(exc), made_from)
         if args.debug:
             raise
         return report("draftport", exc)
     except KeyboardInterrupt:
-        clean_failed_out(out, existed, "interrupted")
+        clean_failed_out(out, existed, "interrupted", made_from)
         print("draftport: interrupted (rerun the same command to resume)", file=sys.stderr)
         return 130
     except Exception as exc:  # an internal bug: still one line, with the way to see more
-        clean_failed_out(out, existed, f"internal error: {type(exc).__name__}: {exc}")
+        clean_failed_out(out, existed, f"internal error: {type(exc).__name__}: {exc}", made_from)
         if args.debug:
             raise
         if is_disk_full(exc):  # a writer that does not name its file: still the user's problem, not a bug

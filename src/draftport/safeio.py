@@ -95,6 +95,18 @@ def _umask() -> int:
     return mask
 
 
+def file_mode() -> int:
+    """The mode open() gives a new file: 0666 less the umask (0644 under the usual 022)."""
+    return 0o666 & ~_umask()
+
+
+def set_file_mode(path: str | os.PathLike) -> None:
+    """Give a file written through a temporary file (mkstemp, safetensors' writer: both create 0600) the mode
+    open() would have given it, so that an engine or a colleague running as another user can read a
+    checkpoint, an export or a store as they can any other file in the folder."""
+    os.chmod(path, file_mode())
+
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     """Write to a temporary file in the same directory, fsync, rename over `path`."""
     path = os.fspath(path)
@@ -104,7 +116,7 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     try:
         # mkstemp creates 0600; the file gets the mode open() would give it (0666 less the umask), so a
         # report or summary is readable by whoever may read the directory, as any other file written there
-        os.fchmod(fd, 0o666 & ~_umask())
+        os.fchmod(fd, file_mode())
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
@@ -149,31 +161,74 @@ def default_out(verb: str) -> str:
 
 # Files a verb writes before its real work starts: a folder holding only these has nothing a user needs.
 BOOKKEEPING = {"run.json", "manifest.json", "summary.json", "slice.jsonl", "metrics.jsonl"}
+# A stage of study / demo (verbs/pipeline.py) records that it started and what it returned: a stage folder
+# holding only these wrote nothing else (the check stage), so they count as bookkeeping too.
+STAGE_FILE = "stage.json"
+DONE_FILE = "done.json"
 
 
 def _only_bookkeeping(root: str) -> bool:
     for dirpath, _, files in os.walk(root):
         rel = os.path.relpath(dirpath, root)
+        parts = [] if rel == "." else rel.split(os.sep)
         for name in files:
-            if rel != "." or not (name in BOOKKEEPING or name.startswith(".tmp-")):
-                if not (rel.split(os.sep)[0] == "tb" and name.startswith("events.out.tfevents")):
-                    return False
+            if not parts and (name in BOOKKEEPING or name.startswith(".tmp-")):
+                continue
+            if parts and parts[0] == "tb" and name.startswith("events.out.tfevents"):
+                continue
+            if len(parts) == 1 and name in (STAGE_FILE, DONE_FILE):
+                continue
+            return False
     return True
+
+
+def first_new_dir(path: str | os.PathLike) -> str | None:
+    """The topmost folder on the way to `path` that does not exist yet (`path` itself when only it is
+    missing; None when it exists): what a command that fails before doing its work removes again, so
+    that `./draftport-runs/` is not left behind empty either."""
+    top = os.path.abspath(path)
+    if os.path.lexists(top):
+        return None
+    while True:
+        parent = os.path.dirname(top)
+        if parent == top or os.path.lexists(parent):
+            return top
+        top = parent
+
+
+def _remove_new_parents(out: str, made_from: str | None) -> None:
+    """Remove the now-empty folders between `out` and `made_from` (both included) that the command made."""
+    if not made_from:
+        return
+    stop = os.path.abspath(made_from)
+    d = os.path.abspath(out)
+    while d == stop or d.startswith(stop + os.sep):
+        try:
+            os.rmdir(d)
+        except OSError:  # not empty (the user or another run put something there), or already gone
+            if os.path.lexists(d):
+                return
+        d = os.path.dirname(d)
 
 
 FAILED_FILE = "FAILED.txt"
 
 
-def clean_failed_out(out: str | None, existed_before: bool, error: str) -> str | None:
-    """After a failed command: remove the output folder it created if it holds nothing the user needs;
+def clean_failed_out(out: str | None, existed_before: bool, error: str, made_from: str | None = None) -> str | None:
+    """After a failed command: remove the output folder it created if it holds nothing the user needs
+    (and the empty parents it made on the way, from `made_from` down: first_new_dir before the command);
     otherwise (or when the folder was there before) leave it, with FAILED.txt saying the run failed and
     why. Returns what was done ("removed", the note's path, or None when there is no folder)."""
-    if not out or not os.path.isdir(out):
+    if not out:
+        return None
+    if not os.path.isdir(out):
+        _remove_new_parents(out, made_from)
         return None
     if not existed_before and _only_bookkeeping(out):
         import shutil
 
         shutil.rmtree(out, ignore_errors=True)
+        _remove_new_parents(out, made_from)
         return "removed"
     note = os.path.join(out, FAILED_FILE)
     try:

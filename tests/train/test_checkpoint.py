@@ -1,4 +1,5 @@
-"""Checkpoints: save → load resumes bitwise, half-written ones are never picked, keep-last-N, no pickle."""
+"""Checkpoints: save → load resumes bitwise, half-written ones are never picked, keep-last-N, the optimizer's
+moments in the newest only (older ones resume from their weights), no pickle."""
 
 from __future__ import annotations
 
@@ -94,7 +95,8 @@ def test_layout_has_no_pickle_and_engine_files_beside_resume(tmp_path):
     _train_step(m, opt, 0)
     path = _save(tmp_path, 1, m, opt)
     files = sorted(p.relative_to(path).as_posix() for p in path.rglob("*") if p.is_file())
-    assert files == ["config.json", "model.safetensors", "resume/state.json", "resume/state.safetensors"]
+    assert files == ["config.json", "model.safetensors", "resume/optimizer.safetensors", "resume/state.json",
+                     "resume/state.safetensors"]
     for p in path.rglob("*"):
         if p.is_file():
             assert not p.read_bytes()[:2].startswith(b"\x80"), p  # pickle protocol marker
@@ -168,3 +170,50 @@ def test_resume_state_must_fit_the_model(tmp_path):
     msd.pop("lm_head.weight")
     with pytest.raises(DraftportError, match="lm_head.weight"):
         resume.load_full_state(_fresh()[0], None, msd, None, skip=("embed_tokens.",))
+
+
+def test_only_the_newest_checkpoint_keeps_the_optimizer_state(tmp_path):
+    m, opt = _fresh()
+    for step in range(1, 5):
+        _train_step(m, opt, step)
+        _save(tmp_path, step, m, opt, keep_last=3)
+    kept = rundir.list_checkpoints(tmp_path)
+    assert [s for s, _ in kept] == [2, 3, 4]
+    optim = [p for _, p in kept if (p / resume.RESUME / resume.OPTIMIZER_TENSORS).exists()]
+    assert optim == [kept[-1][1]]
+    usage = rundir.checkpoint_usage(tmp_path)
+    on_disk = sum(p.stat().st_size for p in (tmp_path / rundir.CHECKPOINTS).rglob("*") if p.is_file())
+    assert usage["kept"] == 3 and usage["newest_step"] == 4 and usage["bytes"] == on_disk
+
+    # the newest resumes everything; an older one its weights, schedule and RNG, with a fresh optimizer
+    meta, tensors = resume.read_checkpoint(kept[-1][1])
+    assert not meta.get("weights_only") and any(k.startswith("optim.") for k in tensors)
+    old_meta = resume.verify_checkpoint(kept[0][1])  # its rewritten state.json passes every check
+    assert old_meta["weights_only"] is True and "optimizer" not in old_meta
+    b, opt_b = _fresh(seed=5)
+    meta = resume.restore_training_state(kept[0][1], b, opt_b, _Info(), skip=("embed_tokens.",))
+    assert meta["step"] == 2 and opt_b.state_dict()["state"] == {}
+    a, opt_a = _fresh()
+    _restore(kept[-1][1], a, opt_a)
+    assert opt_a.state_dict()["state"]
+
+    # a kill between the rewritten state.json and the file's removal leaves an unlisted file: removed next time
+    stray = kept[0][1] / resume.RESUME / resume.OPTIMIZER_TENSORS
+    stray.write_bytes(b"left by a kill")
+    rundir.drop_optimizer_state(kept[0][1])
+    assert not stray.exists()
+    # a state.json that fails its digest is not rewritten (that would hide the damage)
+    path = kept[1][1]
+    (path / resume.RESUME / resume.OPTIMIZER_TENSORS).write_bytes(b"x")
+    meta_path = path / resume.RESUME / resume.STATE_JSON
+    doc = json.loads(meta_path.read_text())
+    doc["files"]["resume/optimizer.safetensors"] = {"bytes": 1, "sha256": "0" * 64}
+    meta_path.write_text(json.dumps(doc))
+    rundir.drop_optimizer_state(path)
+    assert json.loads(meta_path.read_text()) == doc
+    with pytest.raises(DraftportError, match="checksum mismatch"):
+        resume.verify_checkpoint(path)
+
+
+class _Info:
+    rank, device = 0, torch.device("cpu")

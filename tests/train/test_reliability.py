@@ -83,7 +83,11 @@ def train_argv(store, out, *extra) -> list[str]:
 
 
 def state(ckpt_dir) -> dict[str, torch.Tensor]:
-    return load_file(str(Path(ckpt_dir) / resume.RESUME / resume.STATE_TENSORS))
+    """A checkpoint's resume tensors: weights and RNG, and the optimizer's moments where it holds them (the
+    newest checkpoint of a run; an older one holds its weights only)."""
+    tensors = load_file(str(Path(ckpt_dir) / resume.RESUME / resume.STATE_TENSORS))
+    moments = Path(ckpt_dir) / resume.RESUME / resume.OPTIMIZER_TENSORS
+    return {**tensors, **load_file(str(moments))} if moments.exists() else tensors
 
 
 def same_tensors(a: dict, b: dict, prefixes=("model.", "optim.", "rng.")) -> bool:
@@ -316,7 +320,9 @@ def test_train_sigkilled_at_random_points_resumes_to_the_uninterrupted_weights(r
         if latest is not None:
             assert re.fullmatch(r"step-\d{8}", latest.name)  # never a .tmp- (half-written) directory
             meta, tensors = resume.read_checkpoint(latest)  # every checksum
-            assert same_tensors(tensors, state(ref_dir / latest.name)), latest
+            ref = state(ref_dir / latest.name)  # weights only unless it is the reference's last
+            moments = any(k.startswith("optim.") for k in ref)
+            assert same_tensors(tensors, ref, ("model.", "optim.", "rng.") if moments else ("model.", "rng.")), latest
         return {"latest": 0 if latest is None else meta["step"],
                 "half_written": sum(n.startswith(".tmp-") for n in names),
                 "trash": sum(n.startswith(".trash-") for n in names)}
@@ -356,12 +362,12 @@ def test_kill_inside_a_checkpoint_write_never_leaves_a_latest(train_store, tmp_p
     for stage in ("tensors", "rename"):
         out, flag = tmp_path / stage, tmp_path / f"{stage}.inside"
 
-        def stop_inside(real, half):
+        def stop_inside(real, half, per_checkpoint):
             calls = [0]
 
             def wrapper(*args, **kwargs):
                 calls[0] += 1
-                if calls[0] < 2:  # the step-2 checkpoint goes through; step 4's is stopped inside
+                if calls[0] <= per_checkpoint:  # the step-2 checkpoint goes through; step 4's is stopped inside
                     return real(*args, **kwargs)
                 if half:
                     real(*args, **kwargs)
@@ -373,9 +379,11 @@ def test_kill_inside_a_checkpoint_write_never_leaves_a_latest(train_store, tmp_p
 
         with monkeypatch.context() as m:  # the forked child inherits the patch; this process drops it
             if stage == "tensors":
-                m.setattr(rundir, "save_file", stop_inside(rundir.save_file, half=True))
+                # two files a checkpoint: the weights and RNG, then the optimizer's moments
+                m.setattr(rundir, "save_file", stop_inside(rundir.save_file, half=True, per_checkpoint=2))
             else:
-                m.setattr(rundir, "atomic_rename_dir", stop_inside(rundir.atomic_rename_dir, half=False))
+                m.setattr(rundir, "atomic_rename_dir", stop_inside(rundir.atomic_rename_dir, half=False,
+                                                                   per_checkpoint=1))
             run = Run(argv(out), tmp_path / f"{stage}.log", fork=True)
         deadline = time.monotonic() + 120
         while not flag.exists() and run.poll() is None and time.monotonic() < deadline:
@@ -427,7 +435,9 @@ def test_resume_state_holds_no_pickle(finished_run):
     assert_no_pickle(out)
     files = sorted(p.relative_to(out / rundir.CHECKPOINTS / "step-00000004").as_posix()
                    for p in (out / rundir.CHECKPOINTS / "step-00000004").rglob("*") if p.is_file())
-    assert files == ["config.json", "model.safetensors", "resume/state.json", "resume/state.safetensors"]
+    assert files == ["config.json", "model.safetensors", "resume/optimizer.safetensors", "resume/state.json",
+                     "resume/state.safetensors"]
+    assert not (out / rundir.CHECKPOINTS / "step-00000002" / resume.RESUME / resume.OPTIMIZER_TENSORS).exists()
 
 
 def flip_byte(path: Path, rng: random.Random) -> int:
@@ -438,7 +448,8 @@ def flip_byte(path: Path, rng: random.Random) -> int:
     return i
 
 
-@pytest.mark.parametrize("rel", ["config.json", "model.safetensors", "resume/state.safetensors", "resume/state.json"])
+@pytest.mark.parametrize("rel", ["config.json", "model.safetensors", "resume/state.safetensors",
+                                 "resume/optimizer.safetensors", "resume/state.json"])
 def test_flipped_byte_in_a_checkpoint_file_is_a_one_line_error_naming_it(train_store, finished_run, tmp_path,
                                                                          capsys, rel):
     rng = random.Random(f"{SEED}{rel}")
@@ -471,9 +482,14 @@ def test_a_step_dir_without_state_json_is_named_and_the_run_resumes_from_the_one
     buf = io.StringIO()
     s = run_train(TrainConfig(target="tiny-gemma3", data=train_store, out=str(out), steps=4, batch_size=4, ttt_steps=3,
                               lr=0.005, device="cpu", save_every=2), console=Console(file=buf, width=300))
-    assert "step-00000004 has no resume/state.json" in buf.getvalue() and s["resumed_from_step"] == 2
-    assert same_tensors(state(out / rundir.CHECKPOINTS / "step-00000004"),
-                        state(finished_run / rundir.CHECKPOINTS / "step-00000004"))
+    log = " ".join(buf.getvalue().split())
+    assert "step-00000004 has no resume/state.json" in log and s["resumed_from_step"] == 2
+    # step 2 was made weights only when step 4 was published: its weights, schedule, data position and RNG go on,
+    # the optimizer's moments start over (so the weights differ from the uninterrupted run's, the steps do not)
+    assert "holds the weights only" in log and "moments start over" in log
+    redone = resume.read_checkpoint(out / rundir.CHECKPOINTS / "step-00000004")[0]
+    assert redone["step"] == 4 and not redone.get("weights_only")
+    assert (out / rundir.CHECKPOINTS / "step-00000004" / resume.RESUME / resume.OPTIMIZER_TENSORS).exists()
 
 
 def test_flipped_byte_in_a_store_shard_stops_training_naming_the_shard(train_store, tmp_path, capsys):
@@ -657,9 +673,9 @@ def test_device_guard_reads_the_skips_at_log_steps_only(train_store, tmp_path, m
     assert [r["step"] for r in recs if r.get("skipped")] == [1, 2] and s["skipped_steps"] == 2
     assert [r["step"] for r in recs] == sorted(r["step"] for r in recs)
     assert "step 1: loss nan" in " ".join(buf.getvalue().split())
-    steps = [v for k, v in state(out / rundir.CHECKPOINTS / "step-00000003").items() if k.startswith("optim.") and
-             k.endswith(".step")]
-    assert steps and all(float(v) == 1.0 for v in steps)  # steps 1 and 2 never reached Adam: one update in 3
+    steps = [v for k, v in state(out / rundir.CHECKPOINTS / "step-00000006").items() if k.startswith("optim.") and
+             k.endswith(".step")]  # the newest checkpoint: the one that keeps the optimizer's state
+    assert steps and all(float(v) == 4.0 for v in steps)  # steps 1 and 2 never reached Adam: four updates in 6
     monkeypatch.undo()
     poison_steps(monkeypatch, {4: float("nan"), 5: float("nan")})
     out2 = tmp_path / "run2"
@@ -675,6 +691,8 @@ def test_repeated_nonfinite_losses_stop_with_the_last_checkpoint_intact_and_resu
     out = tmp_path / "run"
     argv = train_argv(train_store, out, "--save-every", "2", "--max-nonfinite-steps", "3", "--json")
     poison_steps(monkeypatch, {i: float("nan") for i in range(5, 11)})
+    # step 4's moments kept (a run drops them from all but its newest checkpoint), to compare step 6's with them
+    monkeypatch.setattr(rundir, "drop_optimizer_state", lambda ckpt: None)
     assert cli.main(argv) == 2
     captured = capsys.readouterr()
     line = last_error(captured.err)  # the skipped-step warnings come first
@@ -783,10 +801,11 @@ def test_disk_full_while_checkpointing_fails_cleanly_and_a_rerun_resumes(train_s
     for module in (rundir, safetensors.torch):
         out = tmp_path / module.__name__
         real, calls = module.save_file, [0]
+        per_checkpoint = 2 if module is rundir else 1  # rundir writes the weights and RNG, then the moments
 
-        def save_file(tensors, path, *args, real=real, **kwargs):
+        def save_file(tensors, path, *args, real=real, per_checkpoint=per_checkpoint, **kwargs):
             calls[0] += 1
-            if calls[0] < 2:
+            if calls[0] <= per_checkpoint:
                 return real(tensors, path, *args, **kwargs)
             real(tensors, path, *args, **kwargs)
             with open(path, "r+b") as f:  # what safetensors' writer leaves when the disk fills

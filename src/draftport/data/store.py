@@ -35,15 +35,13 @@ import torch
 
 from draftport.check.inventory import check_coverage, parse_header_json
 from draftport.errors import DraftportError, bad_input, disk_full, is_disk_full
-from draftport.safeio import atomic_write_json, read_json, sha256_file
+from draftport.safeio import atomic_write_json, read_json, set_file_mode, sha256_file
 
 FORMAT = "draftport-store"
 VERSION = 1
 MANIFEST = "manifest.json"
 SHARD_RE = re.compile(r"^shard-\d{5,}\.safetensors$")
 MAX_HEADER_BYTES = 1 << 20  # our headers hold five tensors; anything bigger was not written by us
-_UMASK = os.umask(0)
-os.umask(_UMASK)
 
 # name -> (safetensors dtype, numpy dtype used to read it, torch dtype it is returned as)
 _DTYPES = {"I64": (np.int64, 8), "I32": (np.int32, 4), "BF16": (np.uint16, 2), "U8": (np.uint8, 1)}
@@ -54,11 +52,6 @@ _LAYOUT = (("offsets", "I64"), ("input_ids", "I32"), ("aux", "BF16"), ("last_hid
 def bytes_per_token(num_aux: int, hidden_size: int) -> int:
     """Disk bytes per captured token: bf16 aux (n·H) + bf16 last hidden (H) + int32 id + uint8 mask."""
     return 2 * (num_aux + 1) * hidden_size + 5
-
-
-def _readable(path: str) -> None:
-    """mkstemp makes files private (0600); a store is data like any other file, readable per the umask."""
-    os.chmod(path, 0o666 & ~_UMASK)
 
 
 def shard_name(index: int) -> str:
@@ -125,7 +118,7 @@ def write_shard(path: str, samples: Sequence[dict], start: int) -> dict:
                     h.update(mv)
             f.flush()
             os.fsync(f.fileno())
-        _readable(tmp)
+        set_file_mode(tmp)
         os.replace(tmp, path)
     except BaseException as exc:
         if os.path.exists(tmp):
@@ -198,7 +191,6 @@ class StoreWriter:
             if is_disk_full(exc):
                 raise disk_full(path, "the manifest") from exc
             raise
-        _readable(path)  # after the rename: a reader never sees a manifest that is not whole
 
     def _write(self, samples: Sequence[dict], start: int, index: int) -> None:
         entry = write_shard(os.path.join(self.path, shard_name(index)), samples, start)

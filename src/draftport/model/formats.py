@@ -33,7 +33,7 @@ from draftport.check.layers import engine_aux_ids, resolve_aux_layers, target_fa
 from draftport.check.spec import EMBEDDED_TARGET, DrafterSpec, TargetSpec, load_drafter_spec, load_target_spec
 from draftport.errors import DraftportError
 from draftport.model.drafter import Eagle3Drafter, parse_dtype
-from draftport.safeio import atomic_write_json
+from draftport.safeio import atomic_write_json, set_file_mode
 
 FORMATS = ("sglang", "vllm", "speculators")
 MAX_INVENTED_BYTES = 64 << 20  # tensors a checkpoint lacks are initialised; beyond this, only as much as it holds
@@ -467,6 +467,7 @@ def save_drafter(drafter: Eagle3Drafter, out_dir: str | os.PathLike, format: str
     tmp = out / f".tmp-{WEIGHTS}-{os.getpid()}"
     try:
         save_file(tensors, str(tmp), metadata={"format": "pt"})  # "pt": what transformers' loaders expect
+        set_file_mode(tmp)  # an engine running as another user must read the weights, as it reads config.json
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, out / WEIGHTS)

@@ -21,7 +21,7 @@ from contextlib import contextmanager
 import torch
 
 from draftport.errors import DraftportError
-from draftport.safeio import atomic_rename_dir, sha256_file
+from draftport.safeio import atomic_rename_dir, set_file_mode, sha256_file
 
 EMBEDDED_DEFAULT = "gemma-3-270m"
 CACHE_MARKER = "draftport-cache.json"  # written last into a cache dir: its presence means the dir is complete
@@ -75,7 +75,7 @@ def _save_converted(model, tokenizer, final_dir: str, source: dict) -> None:
             seen.add(key)
             state[name] = t.detach().to("cpu").contiguous()
         save_file(state, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
-        os.chmod(os.path.join(tmp, "model.safetensors"), 0o644)
+        set_file_mode(os.path.join(tmp, "model.safetensors"))  # safetensors writes 0600
         config = copy.deepcopy(model.config)
         if hasattr(config, "quantization_config"):
             del config.quantization_config

@@ -247,6 +247,22 @@ def _check_hf_dir(path: str) -> None:
 TINY_TARGETS = {"tiny-llama": "llama", "tiny-qwen2": "qwen2", "tiny-gemma3": "gemma3"}
 
 
+def check_target_source(name_or_path: str) -> None:
+    """What load_target can load, checked without loading it (a verb calls it before making its folder): a
+    tiny-* name, the embedded default, an existing .gguf file, or an HF directory with a config and weights."""
+    source = os.fspath(name_or_path)
+    if source in TINY_TARGETS or source == EMBEDDED_DEFAULT:
+        return
+    if source.endswith(".gguf"):
+        if not os.path.isfile(source):
+            raise DraftportError("no such GGUF file", source)
+        return
+    if not os.path.isdir(source):
+        raise DraftportError("target not found: expected a local HF model directory, a .gguf file, "
+                             f"or '{EMBEDDED_DEFAULT}' (no model hub here)", source)
+    _check_hf_dir(source)
+
+
 def load_target(name_or_path: str, device: str | torch.device | None = None, dtype: str | torch.dtype | None = None,
                 aux_layers: Sequence[int] | None = None, trust_remote_code: bool = False,
                 attn_implementation: str | None = None) -> HFTarget:
@@ -257,16 +273,10 @@ def load_target(name_or_path: str, device: str | torch.device | None = None, dty
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     source = os.fspath(name_or_path)
+    check_target_source(source)
     if source in TINY_TARGETS:
         return tiny_target(TINY_TARGETS[source], seed=0, aux_layers=aux_layers, device=dev, dtype=dt)
-    if source == EMBEDDED_DEFAULT or source.endswith(".gguf"):
-        path = converted_dir(source)
-    elif os.path.isdir(source):
-        path = source
-        _check_hf_dir(path)
-    else:
-        raise DraftportError("target not found: expected a local HF model directory, a .gguf file, "
-                             f"or '{EMBEDDED_DEFAULT}' (no model hub here)", source)
+    path = converted_dir(source) if source == EMBEDDED_DEFAULT or source.endswith(".gguf") else source
     # weights_only: a pytorch_model.bin is read through torch.load(weights_only=True), never a full unpickle
     kwargs = {"dtype": dt, "trust_remote_code": trust_remote_code, "weights_only": True}
     if attn_implementation is not None:

@@ -13,8 +13,9 @@ compute the one-process step on B samples; total = Σ 0.8^i · loss_i.
 The run reads top to bottom in `_run`: `open_run_dir` → `build_trainer` (samples, drafter, TTT model,
 optimizer) → `resume_from` → the loop over `train_step` (logging, validation, checkpoints) → the summary.
 
-Runs are resumable: every --save-every steps (and at the end) a checkpoint is written that SGLang
-loads as is, with the exact resume state in its resume/ folder (train/rundir.py, train/resume.py). Rerunning the same
+Runs are resumable: every --save-every steps (and at the end) a checkpoint is written that SGLang and vLLM
+load as is, with the exact resume state in its resume/ folder (train/rundir.py, train/resume.py); the newest
+--keep-last are kept (default 3), the optimizer's moments in the newest only. Rerunning the same
 command continues from the newest complete checkpoint (model, optimizer, schedule, RNG, data
 position); --restart starts over; a different config is refused. The batch of step s is a pure
 function of (seed, s) (parallel.epoch_batch), so the data position is the step. The finished
@@ -55,7 +56,7 @@ from draftport.data.conversations import check_data_source, load_conversations, 
 from draftport.errors import DraftportError, bad_input
 from draftport.model.formats import save_drafter
 from draftport.model.target import load_target
-from draftport.safeio import atomic_write_json, default_out
+from draftport.safeio import atomic_write_json, default_out, read_json
 from draftport.train import parallel, resume, rundir
 from draftport.train.config import TrainConfig
 from draftport.train.losses import DEFAULT_DECAY, accuracies_from_counts, conditional_hit_counts, simulated_accept_len
@@ -417,9 +418,10 @@ def save_checkpoint(t: Trainer, done: int, step: Step, seen: int, meta: dict) ->
                           "min_ratio": MIN_LR_RATIO, "next_lr": lr_at(done, t.steps, t.peak, t.warmup)}}
 
     def write_model(d, full_sd):
-        # SGLang's layout holds one decoder layer; a deeper drafter is written as vLLM spells its layers
-        fmt = "sglang" if t.drafter.spec.num_layers == 1 else "vllm"
-        save_drafter(rundir.export_copy(t.drafter.spec, full_sd), d, format=fmt, target=t.target, layers=t.layers)
+        # vLLM's layout: its config carries the aux ids where each engine reads them (eagle_config for SGLang,
+        # the top level for vLLM), so both feed the layers trained, and it spells a deeper drafter's layers as
+        # vLLM loads them; with one decoder layer SGLang loads it as its own layout
+        save_drafter(rundir.export_copy(t.drafter.spec, full_sd), d, format="vllm", target=t.target, layers=t.layers)
 
     return str(rundir.save_training_state(t.out, done, t.model, t.opt, t.info, meta, write_model=write_model,
                                           keep_last=t.run.keep_last, skip=(EMBED,)))
@@ -441,7 +443,10 @@ def _run(cfg: TrainConfig, info, target, console) -> dict:
     if latest is not None:
         start, t.notes, initial_val, last, skipped, seen0 = resume_from(latest, t.model, t.opt, info, t.fingerprint,
                                                                         t.notes)
-        console.print(f"resuming from {latest} (step {start} of {t.steps})")
+        weights_only = read_json(latest / resume.RESUME / resume.STATE_JSON).get("weights_only")
+        console.print(f"resuming from {latest} (step {start} of {t.steps})"
+                      + ("; it holds the weights only (an older checkpoint): the optimizer's moments start over"
+                         if weights_only else ""))
     metrics = Metrics(out, start, info)
     log_every, val_every, save_every = t.run.log_every, t.run.val_every, t.run.save_every
     slow = float(os.environ.get("DRAFTPORT_TEST_SLOW_STEP_S", "0") or 0)  # test hook: time to kill a run
@@ -530,7 +535,8 @@ def _run(cfg: TrainConfig, info, target, console) -> dict:
         "draft_vocab_size": t.drafter.spec.draft_vocab_size, "vocab": t.notes, "num_train": len(t.train_idx),
         "num_val": len(t.val_idx), "tokens_per_s": last.get("tok_s"), "batch_fill": last.get("batch_fill"),
         "group_by_length": cfg.group_by_length, "seconds": time.perf_counter() - t0, "init_from": cfg.init_from,
-        "skipped_steps": skipped, "milestones": rundir.list_milestones(out) if cfg.save_at_tokens else None})
+        "skipped_steps": skipped, "milestones": rundir.list_milestones(out) if cfg.save_at_tokens else None,
+        "checkpoints": {**rundir.checkpoint_usage(out), "keep_last": t.run.keep_last} if info.is_main else None})
     if info.is_main:
         atomic_write_json(os.path.join(out, "summary.json"), summary)
     return summary

@@ -3,12 +3,16 @@ never a pickle (torch.distributed.checkpoint is not used: its metadata file is a
 
 One checkpoint's `resume/` folder (train/rundir.py places the checkpoints in the run folder):
 
-    resume/state.safetensors            fp32 master weights `model.<fqn>`, optimizer moments
-                                        `optim.<fqn>.<key>`, RNG states `rng.rank<r>.<device>`
+    resume/state.safetensors            fp32 master weights `model.<fqn>`, RNG states `rng.rank<r>.<device>`
+    resume/optimizer.safetensors        optimizer moments `optim.<fqn>.<key>` (the newest checkpoint only)
     resume/state.json                   step, data position, config, scheduler, optimizer hyper-
                                         parameters, python/numpy RNG, checksums; written last
 
 The resume files live in a subfolder because SGLang and vLLM load every `*.safetensors` beside config.json.
+The optimizer's moments are twice the master weights, so only the newest checkpoint keeps them: once a newer
+one is published, an older one is made weights only (`weights_only` in its state.json, the optimizer file
+dropped). A run resumes from the newest; resumed from a weights-only one (the newest deleted by hand), it
+restores weights, schedule, data position and RNG, and the optimizer's moments start over.
 Every file carries a sha256 in state.json and state.json a digest of itself; `verify_checkpoint` checks both
 and `check_resume_meta` checks the JSON's structure before torch sees a value. Under FSDP2 the full (unsharded)
 state dicts are gathered on every rank by the torch.distributed.checkpoint.state_dict helpers (collectives, no
@@ -37,6 +41,8 @@ from draftport.safeio import read_json, sha256_file
 RESUME = "resume"               # subfolder of a checkpoint holding the resume state
 
 STATE_TENSORS = "state.safetensors"
+
+OPTIMIZER_TENSORS = "optimizer.safetensors"
 
 STATE_JSON = "state.json"
 
@@ -203,7 +209,8 @@ def verify_checkpoint(ckpt: str | os.PathLike, checksums: bool = True) -> dict:
     meta = read_json(meta_path)
     if meta.get("format") != FORMAT or not meta.get("complete"):
         raise DraftportError(f"not a complete {FORMAT} resume state", meta_path)
-    fix = "corrupted checkpoint: delete its directory to resume from the one before, or rerun with --restart"
+    fix = ("corrupted checkpoint: delete its directory to resume from the one before (weights only: the optimizer "
+           "moments start over), or rerun with --restart")
     if checksums and STATE_DIGEST in meta and meta[STATE_DIGEST] != state_digest(meta):
         raise DraftportError(f"checksum mismatch ({fix})", meta_path)
     check_resume_meta(meta, meta_path)
@@ -227,12 +234,16 @@ def read_checkpoint(ckpt: str | os.PathLike, verify: bool = True) -> tuple[dict,
     """(meta, tensors) of a checkpoint's resume state, through verify_checkpoint (checksums only
     with `verify`: a caller that already verified it passes False)."""
     ckpt = Path(ckpt)
-    state_path = ckpt / RESUME / STATE_TENSORS
     meta = verify_checkpoint(ckpt, checksums=verify)
-    try:
-        tensors = load_file(str(state_path))
-    except (SafetensorError, OSError, ValueError) as exc:
-        raise DraftportError(f"unreadable safetensors ({' '.join(str(exc).split())})", state_path)
+    tensors: dict[str, torch.Tensor] = {}
+    for name in (STATE_TENSORS, OPTIMIZER_TENSORS):
+        path = ckpt / RESUME / name
+        if name == OPTIMIZER_TENSORS and f"{RESUME}/{name}" not in meta["files"]:
+            continue  # weights only, or written before the moments had a file of their own
+        try:
+            tensors.update(load_file(str(path)))
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise DraftportError(f"unreadable safetensors ({' '.join(str(exc).split())})", path)
     return meta, tensors
 
 def _is_int(x: Any) -> bool:
@@ -272,6 +283,8 @@ def check_resume_meta(meta: dict, where: str | os.PathLike) -> None:
             raise bad(f"'{key}' must be a JSON object")
     if meta.get("initial_val") is not None and not isinstance(meta["initial_val"], dict):
         raise bad("'initial_val' must be a JSON object or null")
+    if not isinstance(meta.get("weights_only", False), bool):
+        raise bad("'weights_only' must be true or false")
     opt = meta.get("optimizer")
     if "optimizer" in meta:
         ok = (isinstance(opt, dict) and isinstance(opt.get("fqns"), list) and all(isinstance(f, str) for f in opt["fqns"])
@@ -283,9 +296,12 @@ def check_resume_meta(meta: dict, where: str | os.PathLike) -> None:
     if "host_rng" in meta and not _host_rng_ok(meta["host_rng"]):
         raise bad("'host_rng' is not a python/numpy generator state")
 
-def split_state(tensors: dict[str, torch.Tensor], meta: dict) -> tuple[dict[str, torch.Tensor], dict]:
-    """Resume tensors -> (model state dict, optimizer state dict) for load_full_state."""
+def split_state(tensors: dict[str, torch.Tensor], meta: dict) -> tuple[dict[str, torch.Tensor], dict | None]:
+    """Resume tensors -> (model state dict, optimizer state dict: None for a weights-only checkpoint) for
+    load_full_state."""
     model_sd = {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}
+    if meta.get("weights_only"):
+        return model_sd, None
     optim_sd = unflatten_optimizer({k: v for k, v in tensors.items() if k.startswith("optim.")},
                                    meta["optimizer"])
     return model_sd, optim_sd
@@ -308,9 +324,10 @@ def restore_training_state(ckpt: str | os.PathLike, model, optimizer, info, skip
                            verify: bool = True) -> dict:
     """Every rank: load a checkpoint's full state into the (sharded) model and optimizer and restore
     this rank's RNG states; returns the checkpoint's JSON state. verify=False: checksums were checked
-    already (verify_checkpoint)."""
+    already (verify_checkpoint). A weights-only checkpoint leaves the optimizer as it is (fresh)."""
     meta, tensors = read_checkpoint(ckpt, verify=verify)
-    missing = [k for k in ("optimizer", "host_rng") if k not in meta]
+    needed = ("host_rng",) if meta.get("weights_only") else ("optimizer", "host_rng")
+    missing = [k for k in needed if k not in meta]
     if missing:
         raise DraftportError(f"resume state lacks {', '.join(missing)}", Path(ckpt) / RESUME / STATE_JSON)
     model_sd, optim_sd = split_state(tensors, meta)

@@ -3,7 +3,8 @@ the drafters published at token marks. Every write is atomic (temp name, fsync, 
 
     <out>/run.json                      the flags a run was started with: a rerun with other flags is refused
     <out>/checkpoints/step-00000100/    one checkpoint: config.json + model.safetensors (what an engine loads,
-                                        written by formats.save_drafter) and resume/ (train/resume.py)
+                                        written by formats.save_drafter) and resume/ (train/resume.py); the
+                                        newest --keep-last are kept, the optimizer's moments in the newest only
     <out>/metrics.jsonl, summary.json, tb/
     <out>/final/                        the finished drafter (engine files only)
     <out>/at-tokens/<N>/                the drafter once N training tokens were seen (--save-at-tokens)
@@ -30,10 +31,10 @@ from torch import nn
 from draftport.errors import DraftportError, disk_full, is_disk_full
 from draftport.model.drafter import Eagle3Drafter
 from draftport.safeio import (atomic_rename_dir, atomic_write_bytes, atomic_write_json, iter_jsonl, read_json,
-                              sha256_file)
+                              set_file_mode, sha256_file)
 from draftport.train import parallel
-from draftport.train.resume import (FORMAT, RESUME, STATE_DIGEST, STATE_JSON, STATE_TENSORS, fsync_file,
-                                    gather_full_state, host_rng_state, pack_state, state_digest)
+from draftport.train.resume import (FORMAT, OPTIMIZER_TENSORS, RESUME, STATE_DIGEST, STATE_JSON, STATE_TENSORS,
+                                    fsync_file, gather_full_state, host_rng_state, pack_state, state_digest)
 
 
 CHECKPOINTS = "checkpoints"     # subfolder of --out holding step-* directories
@@ -98,12 +99,49 @@ def prune(out: str | os.PathLike, keep_last: int) -> list[Path]:
             removed.append(p)
     return removed
 
+def drop_optimizer_state(ckpt: str | os.PathLike) -> None:
+    """Make an older checkpoint weights only: state.json no longer lists the optimizer's moments (rewritten
+    atomically, its digest with it: the commit point), then their file goes. A kill in between leaves an
+    unlisted file that the next call removes. A state.json that fails its own digest is left as it is, so
+    the damage stays visible."""
+    ckpt = Path(ckpt)
+    rel = f"{RESUME}/{OPTIMIZER_TENSORS}"
+    meta_path = ckpt / RESUME / STATE_JSON
+    if not (ckpt / rel).exists():  # weights only already (or damaged: verify_checkpoint names it)
+        return
+    try:
+        meta = read_json(meta_path)
+    except DraftportError:
+        return
+    files = meta.get("files")
+    if isinstance(files, dict) and rel in files:
+        if meta.get(STATE_DIGEST) != state_digest(meta):
+            return
+        meta = {k: v for k, v in meta.items() if k not in ("optimizer", STATE_DIGEST)}
+        meta.update(files={k: v for k, v in files.items() if k != rel}, weights_only=True)
+        meta[STATE_DIGEST] = state_digest(meta)
+        atomic_write_bytes(meta_path, (json.dumps(meta, indent=1) + "\n").encode("utf-8"))
+    if (ckpt / rel).exists():
+        (ckpt / rel).unlink()
+
+
+def checkpoint_usage(out: str | os.PathLike) -> dict:
+    """What `<out>/checkpoints` holds on disk: the complete checkpoints kept, their bytes (every file under
+    the folder counted) and the step of the newest, the one that holds the optimizer's moments."""
+    root = Path(out) / CHECKPOINTS
+    total = sum(p.stat().st_size for p in root.rglob("*") if p.is_file()) if root.is_dir() else 0
+    ckpts = list_checkpoints(out)
+    return {"path": str(root), "kept": len(ckpts), "bytes": total, "newest_step": ckpts[-1][0] if ckpts else None}
+
+
 def write_checkpoint(out: str | os.PathLike, step: int, *, tensors: dict[str, torch.Tensor], meta: dict,
                      write_model: Callable[[Path], None] | None = None, keep_last: int = 0) -> Path:
-    """Write one checkpoint atomically and prune old ones (call on rank 0 only).
+    """Write one checkpoint atomically, prune old ones and make the ones kept before it weights only (call on
+    rank 0 only).
 
-    tensors: flat resume tensors (`model.*`, `optim.*`, `rng.*`); meta: JSON-able resume state;
-    write_model(dir): writes the engine-loadable drafter files (config.json + weights) into dir.
+    tensors: flat resume tensors (`model.*`, `optim.*`, `rng.*`; the `optim.*` go to their own file);
+    meta: JSON-able resume state; write_model(dir): writes the engine-loadable drafter files (config.json +
+    weights) into dir.
     """
     final = checkpoint_dir(out, step)
     tmp = final.parent / f".tmp-{final.name}-{os.getpid()}"
@@ -113,9 +151,13 @@ def write_checkpoint(out: str | os.PathLike, step: int, *, tensors: dict[str, to
     try:
         if write_model is not None:
             write_model(tmp)
-        state_path = tmp / RESUME / STATE_TENSORS
-        save_file({k: v.detach().contiguous() for k, v in tensors.items()}, str(state_path),
-                  metadata={"format": FORMAT, "step": str(step)})
+        optim = {k: v.detach().contiguous() for k, v in tensors.items() if k.startswith("optim.")}
+        parts = [(STATE_TENSORS, {k: v.detach().contiguous() for k, v in tensors.items() if k not in optim})]
+        if optim:
+            parts.append((OPTIMIZER_TENSORS, optim))
+        for name, part in parts:
+            save_file(part, str(tmp / RESUME / name), metadata={"format": FORMAT, "step": str(step)})
+            set_file_mode(tmp / RESUME / name)  # safetensors writes 0600
         files = {}
         for p in sorted(tmp.rglob("*")):
             if p.is_file():
@@ -138,6 +180,8 @@ def write_checkpoint(out: str | os.PathLike, step: int, *, tensors: dict[str, to
         raise
     if keep_last:
         prune(out, keep_last)
+    for _, older in list_checkpoints(out)[:-1]:
+        drop_optimizer_state(older)
     return final
 
 RUN_FILE = "run.json"   # the flags a run was started with: a rerun with other flags is refused
@@ -165,7 +209,9 @@ def check_run_dir(out: str | os.PathLike, request: dict, restart: bool) -> None:
                                  "start over, or use another --out", out)
 
 def start_run_dir(out: str | os.PathLike, request: dict, restart: bool) -> None:
-    """Rank 0: --restart deletes this run's files (and nothing else in --out); record the flags."""
+    """Rank 0: --restart deletes this run's files (and nothing else in --out); record the flags. A kill's
+    leftover temp / trash directories go too: a finished run rerun writes no checkpoint, whose save would
+    remove them."""
     out = Path(out)
     if restart:
         for name in RUN_DIRS:
@@ -173,6 +219,7 @@ def start_run_dir(out: str | os.PathLike, request: dict, restart: bool) -> None:
         for name in RUN_FILES:
             if (out / name).exists():
                 (out / name).unlink()
+    prune(out, keep_last=0)
     atomic_write_json(out / RUN_FILE, request)
 
 def keep_metrics(path: str | os.PathLike, upto_step: int) -> None:

@@ -20,6 +20,7 @@ from draftport.check.inventory import read_inventory
 from draftport.check.spec import TargetSpec, load_drafter_spec
 from draftport.errors import DraftportError
 from draftport.model.formats import FORMATS, load_drafter, save_drafter
+from draftport.model.gguf import EMBEDDED_DEFAULT, embedded_default_dir
 from draftport.model.target import target_embedding
 from draftport.safeio import atomic_rename_dir
 
@@ -67,8 +68,18 @@ def export_findings(directory: str, refs, target: TargetSpec | None) -> list[dic
     return [f for f in out if f["severity"] == "error"]
 
 
+def served_target(target_path: str | None) -> str | None:
+    """The path an engine loads the target from: the directory or file given (made absolute when it exists);
+    for the embedded default, whose name no engine resolves (its GGUF ships inside a Python package), the
+    HF directory draftport converts it into, in its cache (converted here if it is not there yet)."""
+    if target_path == EMBEDDED_DEFAULT and not os.path.exists(target_path):
+        return embedded_default_dir()
+    return os.path.abspath(target_path) if target_path and os.path.exists(target_path) else target_path
+
+
 def launch_commands(out: str, format: str, target_path: str | None, k: int) -> dict[str, str]:
-    """The SGLang / vLLM command lines that serve the exported drafter (chain of depth k, topk 1)."""
+    """The SGLang / vLLM command lines that serve the exported drafter (chain of depth k, topk 1) on the
+    target at `target_path` (served_target's path; None: a <TARGET> placeholder)."""
     tgt = target_path or "<TARGET>"
     cmds = {}
     if format in ("sglang", "vllm"):
@@ -126,7 +137,12 @@ def main(cfg: ExportConfig) -> int:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     aux = result.aux
-    commands = launch_commands(str(out), cfg.format, aux.target_path, cfg.depth)
+    served = served_target(aux.target_path)
+    if served != aux.target_path and aux.target_path == EMBEDDED_DEFAULT:
+        result.notes.append(f"{EMBEDDED_DEFAULT} is served from its converted HF directory {served}")
+    if served is None:
+        result.notes.append("no target known: the launch lines say <TARGET> (pass --target to name it)")
+    commands = launch_commands(str(out), cfg.format, served, cfg.depth)
     if cfg.format == "vllm" and not also_sglang:
         commands.pop("sglang", None)
         result.notes.append("no SGLang launch line: SGLang would refuse or mis-load this layout "
@@ -137,7 +153,7 @@ def main(cfg: ExportConfig) -> int:
         "layers": aux.layers, "layers_source": aux.source,
         "aux_ids": {"sglang": aux.sglang_ids if cfg.format != "speculators" else None,
                     "vllm": aux.vllm_ids if cfg.format != "sglang" else None},
-        "target": aux.target_path,
+        "target": aux.target_path, "served_target": served,
         "load": {"layout": report.layout, "missing": report.missing, "unexpected": report.unexpected},
         "notes": result.notes, "launch": commands,
     }

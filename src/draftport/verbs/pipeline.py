@@ -23,13 +23,13 @@ from rich.console import Console
 
 from draftport.capture.capture import CaptureConfig, run_capture
 from draftport.errors import DraftportError
-from draftport.safeio import atomic_write_json, iter_jsonl, read_json
+from draftport.safeio import DONE_FILE, STAGE_FILE, atomic_write_json, iter_jsonl, read_json
 from draftport.train.config import TrainConfig
 from draftport.verbs import eval as eval_verb, train as train_verb
 from draftport.verbs.flags import config_from
 
-STAGE_FILE = "stage.json"    # written when a stage starts: its config hash
-DONE_FILE = "done.json"      # written when it ends: hash, result, seconds
+# STAGE_FILE is written when a stage starts (its config hash), DONE_FILE when it ends (hash, result, seconds); both
+# live in safeio, whose cleanup of a failed command's folder counts them as bookkeeping
 
 
 def config_hash(config: dict) -> str:

@@ -14,10 +14,10 @@ from rich.table import Table
 from draftport.capture.capture import CaptureConfig, run_capture
 from draftport.check.layers import resolve_aux_layers
 from draftport.check.spec import load_drafter_spec
-from draftport.data.conversations import load_conversations
+from draftport.data.conversations import check_data_source, load_conversations
 from draftport.data.store import Store
 from draftport.errors import DraftportError, bad_input
-from draftport.model.target import load_target
+from draftport.model.target import check_target_source, load_target
 from draftport.safeio import atomic_write_json
 from draftport.study.plots import plot_layer_similarity
 from draftport.study.probe import check_tokenizers, offline_tau, set_aux_layers, store_similarity
@@ -68,8 +68,14 @@ def run_probe(cfg: ProbeConfig, target_a=None, target_b=None, console: Console |
         raise DraftportError(f"--depth must be at least 1, got {cfg.depth}")
     if os.path.exists(cfg.out) and not os.path.isdir(cfg.out):
         raise bad_input(cfg.out, "--out exists and is not a directory")
-    os.makedirs(cfg.out, exist_ok=True)
+    # the inputs, before the folder and the targets' load: a bad one is one line and leaves nothing behind
     dspec = load_drafter_spec(cfg.drafter) if cfg.drafter is not None else None
+    if target_a is None:
+        check_target_source(cfg.target_a)
+    if target_b is None:
+        check_target_source(cfg.target_b)
+    check_data_source(cfg.data)
+    os.makedirs(cfg.out, exist_ok=True)
     with console.status("loading targets"):
         load = dict(device=cfg.device, dtype=cfg.dtype, trust_remote_code=cfg.trust_remote_code)
         target_a = target_a or load_target(cfg.target_a, **load)

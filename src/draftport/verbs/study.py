@@ -44,8 +44,10 @@ from rich.table import Table
 from draftport.capture.capture import REGEN_FILE
 from draftport.check.layers import resolve_aux_layers
 from draftport.check.spec import load_drafter_spec, load_target_spec
+from draftport.data.conversations import check_data_source, load_prompts
 from draftport.data.store import Store
 from draftport.errors import DraftportError, bad_input
+from draftport.model.target import TINY_TARGETS, check_target_source
 from draftport.safeio import atomic_write_json
 from draftport.study.study import (Sizes, build_rows, fit_errors, parse_sizes, ratio_sentence, size_points,
                                    study_report, transfer_data_ratio, unit_label)
@@ -178,13 +180,32 @@ def stage_eval(cfg: StudyConfig, d: str, drafter: str) -> dict:
 # The verb
 
 
+def check_inputs(cfg: StudyConfig) -> None:
+    """Every input a stage reads, checked before the study makes its folder (seconds, no model loaded): a
+    missing target, drafter or data file is one line, not a folder left behind by its first stage."""
+    if os.path.exists(cfg.out) and not os.path.isdir(cfg.out):
+        raise bad_input(cfg.out, "--out exists and is not a directory")
+    if not os.path.exists(cfg.drafter_a):
+        raise bad_input(cfg.drafter_a, "--drafter-a: no such drafter")
+    load_drafter_spec(cfg.drafter_a)
+    for flag, name in (("--target-a", cfg.target_a), ("--target-b", cfg.target_b)):
+        try:
+            check_target_source(name)
+            if flag == "--target-b":
+                if name in TINY_TARGETS:
+                    raise bad_input(name, "a tiny-* test model has no config.json for the check stage to read "
+                                          "(save it as an HF model directory)")
+                load_target_spec(name)  # what the check stage reads of B
+        except DraftportError as exc:
+            raise DraftportError(f"{flag}: {exc}") from None
+    check_data_source(cfg.data)
+    load_prompts(cfg.prompts, max_samples=1)
+
+
 def run_study(cfg: StudyConfig, console: Console | None = None) -> dict:
     console = console or Console(stderr=True)
     sizes = _sizes(cfg)
-    if not os.path.exists(cfg.drafter_a):
-        raise bad_input(cfg.drafter_a, "--drafter-a: no such drafter")
-    if os.path.exists(cfg.out) and not os.path.isdir(cfg.out):
-        raise bad_input(cfg.out, "--out exists and is not a directory")
+    check_inputs(cfg)
     os.makedirs(cfg.out, exist_ok=True)
     t_start = time.perf_counter()
     stages = Stages(cfg.out, console, restart=cfg.restart, total=4 + 4 * len(sizes.values))

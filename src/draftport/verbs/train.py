@@ -8,6 +8,7 @@ import os
 from rich.console import Console
 from rich.table import Table
 
+from draftport.capture.capture import human_bytes
 from draftport.train.config import TrainConfig
 from draftport.train.loop import run_train
 from draftport.verbs.answer import answer
@@ -37,3 +38,8 @@ def render(console, s: dict) -> None:
     t.add_row("step-0 accuracy", fmt(acc0), fmt(acc1))
     console.print(t)
     console.print(f"{s['steps']} steps, train loss {fmt(s.get('final_loss'))}, vocab: {s['vocab'].get('vocab')}")
+    ck = s.get("checkpoints")
+    if ck:
+        keep = "every one" if not ck["keep_last"] else f"the newest {ck['keep_last']}"
+        console.print(f"checkpoints: {ck['kept']} in {ck['path']}, {human_bytes(ck['bytes'])} on disk "
+                      f"(--keep-last keeps {keep}; the optimizer's moments only in the newest)")
