@@ -27,7 +27,7 @@ import draftport
 
 HEAVY = ("torch", "transformers", "matplotlib")
 ROOT = pathlib.Path(draftport.__file__).parent
-HELPERS = ("economics", "errors", "safeio")       # root modules every part may import
+HELPERS = ("economics", "errors", "interrupt", "safeio")  # root modules every part may import
 LAYERS = {"check": 0, "data": 1, "model": 1, "decode": 2, "capture": 3, "serving": 3, "train": 4, "study": 5, "verbs": 6,
           "cli": 7, "__main__": 8}
 LEAVES = ("draftport.decode.options",)          # torch-free flag modules every part may read

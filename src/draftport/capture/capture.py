@@ -9,6 +9,12 @@ decides the content is in the manifest's config; rerunning the same command in t
 skips the committed shards and continues, so every sample lands exactly once. A different config is
 refused (--restart starts over).
 
+The shard in progress. A shard commits only when all its batches are done, which on a CPU can take minutes
+(Gemma-3-270M: about 52k tokens a shard). So its finished batches are also kept under <out>/partial/
+(`ShardProgress`): on Ctrl-C, and every PIECE_SECONDS while it computes (a SIGKILL then loses at most that
+much). A rerun loads them and computes only the other batches, the same batches an uninterrupted run computes,
+so the shard gets the same bytes.
+
 Regeneration (`--regenerate`) runs in chunks of REGEN_CHUNK prompts, each saved under
 <out>/regenerated/ as it completes, so a kill during generation loses at most one chunk and a rerun
 reuses the saved text instead of generating it again.
@@ -36,9 +42,11 @@ from draftport.check.layers import validate_aux_ids
 from draftport.data import conversations as data_mod
 from draftport.data.chat import resolve_chat_template, tokenize_conversations
 from draftport.data.conversations import check_data_source, save_conversations
-from draftport.data.store import MANIFEST, StoreWriter, bytes_per_token, clear_store, identity_mismatch
+from draftport.data.store import (MANIFEST, StoreWriter, bytes_per_token, clear_store, identity_mismatch,
+                                  read_shard_samples, write_shard)
 from draftport.decode.options import BATCH_ENGINES, REGEN_ENGINES
 from draftport.errors import DraftportError, bad_input
+from draftport.interrupt import Interrupted
 from draftport.model.target import load_target
 from draftport.safeio import atomic_write_json, read_json
 
@@ -49,6 +57,9 @@ REGEN_CHUNK = 64       # prompts per saved regeneration chunk (at least)
 REGEN_CHUNK_BATCHES = 8  # batch engine: a chunk holds this many batches' prompts (the last answers drain it)
 REGEN_DIR = "regenerated"
 REGEN_FILE = "regenerated.jsonl"
+PARTIAL_DIR = "partial"  # the finished batches of the shard in progress (ShardProgress)
+PARTIAL_FILE = "partial.json"
+PIECE_SECONDS = 60.0     # a shard computing longer than this keeps its finished batches at least this often
 # what must be equal to resume; "request" keys come straight from the flags (checked before the
 # target loads), the rest are derived from the target and the data
 REGEN_KEYS = ("samples_per_prompt", "max_new_tokens", "temperature", "regen_batch_size", "regen_engine")  # its flags
@@ -276,20 +287,116 @@ def collect_batch(launched, ids: list[np.ndarray]) -> list[dict]:
     return [{"aux": aux[b, :len(x)], "last_hidden": last[b, :len(x)]} for b, x in enumerate(ids)]
 
 
+class ShardProgress:
+    """The finished batches of the shard in progress (samples [a, b) of the store), kept under <out>/partial/.
+
+    A piece is a file in the store's shard format (write_shard) holding the samples of consecutive batches of
+    length_batches' order; partial.json lists the pieces and is rewritten after each one (the commit point: a
+    piece it does not list is garbage). The batches are a function of the shard's samples and the batch size, so
+    a rerun that captures the same shard with the same batch size takes the listed batches from disk and computes
+    the others. partial/ holds one shard's pieces at a time and is removed when the store is complete."""
+
+    def __init__(self, out: str, a: int, b: int, batch_size: int, writer: StoreWriter, aux_width: int, hidden: int):
+        self.dir, self.a, self.b, self.batch_size = os.path.join(out, PARTIAL_DIR), a, b, batch_size
+        self.writer, self.aux_width, self.hidden = writer, aux_width, hidden
+        self.pieces: list[dict] = []   # partial.json's entries: write_shard's, plus the batch range [i, j)
+        self.saved = 0                 # batches on disk
+        self.loaded: dict[int, dict] = {}  # sample index in the shard -> its states, read back from the pieces
+        self.owns_dir = False          # partial/ holds this shard's pieces (not an earlier shard's, or nothing)
+        self.last = time.monotonic()
+
+    @property
+    def saved_samples(self) -> int:
+        return sum(p["end"] - p["start"] for p in self.pieces)
+
+    def resume(self, ids: list[np.ndarray], console: Console) -> None:
+        """Load what a killed run kept of this shard; partial/ holding anything else (another shard's pieces, a
+        batch size other than this run's, damage) is removed. Call before any shard is in flight."""
+        path = os.path.join(self.dir, PARTIAL_FILE)
+        if not os.path.isfile(path):  # nothing committed: at most a piece a kill cut short
+            shutil.rmtree(self.dir, ignore_errors=True)
+            return
+        try:
+            rec = read_json(path)
+            if (rec.get("start"), rec.get("end"), rec.get("batch_size")) != (self.a, self.b, self.batch_size):
+                raise bad_input(path, "holds another shard's batches, or another batch size's")
+            batches = length_batches([len(x) for x in ids], self.batch_size)
+            loaded, done = {}, 0
+            for piece in rec["pieces"]:
+                i, j = piece["batches"]
+                if i != done or not done < j <= len(batches):
+                    raise bad_input(path, f"lists batches {i}..{j} after {done}")
+                idx = [k for bi in range(i, j) for k in batches[bi]]
+                samples = read_shard_samples(os.path.join(self.dir, piece["file"]), piece, self.aux_width, self.hidden)
+                if len(samples) != len(idx) or any(not np.array_equal(st["input_ids"].numpy(), ids[k])
+                                                   for k, st in zip(idx, samples)):
+                    raise bad_input(path, f"{piece['file']} holds other samples than its batches")
+                loaded.update(zip(idx, samples))
+                done = j
+        except (DraftportError, KeyError, TypeError, ValueError) as exc:
+            console.print(f"[yellow]not resuming the shard in progress from {self.dir} ({exc}); computing it "
+                          "again[/yellow]")
+            shutil.rmtree(self.dir, ignore_errors=True)
+            return
+        self.pieces, self.saved, self.loaded, self.owns_dir = list(rec["pieces"]), done, loaded, True
+        console.print(f"{len(loaded):,} samples of the shard in progress read back from {self.dir}")
+
+    def due(self) -> bool:
+        return time.monotonic() - self.last >= PIECE_SECONDS
+
+    def save(self, states: list, batches: list[list[int]], upto: int) -> None:
+        """Write batches [saved, upto) as one piece, then list it in partial.json."""
+        if upto <= self.saved:
+            return
+        if not self.owns_dir:
+            self.writer.flush()  # the shards before this one are committed: pieces of theirs still here are garbage
+            shutil.rmtree(self.dir, ignore_errors=True)
+            os.makedirs(self.dir)
+            self.owns_dir = True
+        samples = [states[k] for bi in range(self.saved, upto) for k in batches[bi]]
+        entry = write_shard(os.path.join(self.dir, f"piece-{len(self.pieces):05d}.safetensors"), samples, self.a)
+        self.pieces.append({**entry, "batches": [self.saved, upto]})
+        self.saved = upto
+        atomic_write_json(os.path.join(self.dir, PARTIAL_FILE), {
+            "start": self.a, "end": self.b, "batch_size": self.batch_size, "pieces": self.pieces})
+        self.last = time.monotonic()
+
+
 def capture_shard(target, ids: list[np.ndarray], masks: list[np.ndarray], batch_size: int, pad_id: int,
-                  on_batch=None) -> list[dict]:
-    """Samples of one shard in store order, computed in length-sorted batches (one batch in flight)."""
+                  on_batch=None, keep: ShardProgress | None = None) -> list[dict]:
+    """Samples of one shard in store order, computed in length-sorted batches (one batch in flight).
+
+    keep: the shard's ShardProgress. The batches it read back are not computed again; the finished ones are saved
+    to it every PIECE_SECONDS, and on Ctrl-C before Interrupted is raised."""
     states: list[dict | None] = [None] * len(ids)
-    pending = None
-    for batch in length_batches([len(x) for x in ids], batch_size) + [None]:
-        launched = None if batch is None else (batch, launch_batch(target, [ids[j] for j in batch], pad_id))
-        if pending is not None:
-            done, handle = pending
-            for j, st in zip(done, collect_batch(handle, [ids[j] for j in done])):
-                states[j] = {"input_ids": torch.from_numpy(ids[j]), "loss_mask": torch.from_numpy(masks[j]), **st}
-            if on_batch is not None:
-                on_batch(sum(len(ids[j]) for j in done))
-        pending = launched
+    batches = length_batches([len(x) for x in ids], batch_size)
+    first = 0
+    if keep is not None:
+        for j, st in keep.loaded.items():
+            states[j] = st
+        first = keep.saved
+    pending, finished = None, first  # finished: batches [0, finished) are in `states`
+    try:
+        for bi in range(first, len(batches) + 1):
+            batch = batches[bi] if bi < len(batches) else None
+            launched = None if batch is None else (batch, launch_batch(target, [ids[j] for j in batch], pad_id))
+            if pending is not None:
+                done, handle = pending
+                for j, st in zip(done, collect_batch(handle, [ids[j] for j in done])):
+                    states[j] = {"input_ids": torch.from_numpy(ids[j]), "loss_mask": torch.from_numpy(masks[j]), **st}
+                finished += 1
+                if on_batch is not None:
+                    on_batch(sum(len(ids[j]) for j in done))
+                if keep is not None and keep.due() and finished < len(batches):
+                    keep.save(states, batches, finished)
+            pending = launched
+    except KeyboardInterrupt:
+        if keep is None:
+            raise
+        keep.save(states, batches, finished)  # a batch in flight is dropped: its copies may be half done
+        if not keep.saved:
+            raise
+        raise Interrupted(f"{keep.saved_samples:,} samples of the shard in progress are saved in {keep.dir}") from None
     return states
 
 
@@ -315,6 +422,7 @@ def run_capture(cfg: CaptureConfig, target=None, console: Console | None = None)
     if cfg.restart:
         clear_store(out)
         shutil.rmtree(os.path.join(out, REGEN_DIR), ignore_errors=True)
+        shutil.rmtree(os.path.join(out, PARTIAL_DIR), ignore_errors=True)
         for name in (REGEN_FILE, "summary.json"):
             if os.path.exists(os.path.join(out, name)):
                 os.unlink(os.path.join(out, name))
@@ -376,19 +484,44 @@ def run_capture(cfg: CaptureConfig, target=None, console: Console | None = None)
     batch_size = cfg.batch_size or DEFAULT_BATCH
     pad_id = getattr(target.tokenizer, "pad_token_id", None)
     pad_id = 0 if pad_id is None else int(pad_id)
+    aux_width = n_aux * H
+    keep = None
+    if todo:  # what a killed run kept of the first shard still to capture
+        keep = ShardProgress(out, *todo[0], batch_size, writer, aux_width, H)
+        keep.resume(ids[todo[0][0]:todo[0][1]], console)
+    else:
+        shutil.rmtree(os.path.join(out, PARTIAL_DIR), ignore_errors=True)
     t0, done = time.perf_counter(), 0
+
+    def advance(n: int) -> None:
+        nonlocal done
+        done += n
+        progress.advance(task, n)
+
     try:
         with _progress(console) as progress:
             task = progress.add_task("capturing", total=remaining)
             for a, b in todo:
-                states = capture_shard(target, ids[a:b], masks[a:b], batch_size, pad_id,
-                                       on_batch=lambda n: progress.advance(task, n))
+                if keep is None or keep.a != a:
+                    keep = ShardProgress(out, a, b, batch_size, writer, aux_width, H)
+                progress.advance(task, sum(len(st["input_ids"]) for st in keep.loaded.values()))
+                states = capture_shard(target, ids[a:b], masks[a:b], batch_size, pad_id, on_batch=advance, keep=keep)
+                keep.loaded = {}
                 writer.submit(states)  # written by the writer threads while the next shard computes
-                done += sum(lengths[a:b])
                 if slow:  # test hook (module docstring): let a test kill us between committed shards
                     writer.flush()
                     time.sleep(slow)
             writer.finish()
+        shutil.rmtree(os.path.join(out, PARTIAL_DIR), ignore_errors=True)  # its shard is committed
+    except KeyboardInterrupt as exc:
+        writer.close()  # shards in flight commit first
+        saved = keep.saved_samples if keep is not None and keep.a >= writer.num_samples else 0
+        if not writer.num_samples and not saved:
+            raise
+        committed = writer.num_samples
+        where = (f"{committed:,} in committed shards, {saved:,} in {keep.dir}" if committed and saved else
+                 f"in committed shards in {out}" if committed else f"in {keep.dir}")
+        raise Interrupted(f"{committed + saved:,} of {len(ids):,} samples are kept ({where})") from exc
     finally:
         writer.close()
     seconds = time.perf_counter() - t0

@@ -387,6 +387,20 @@ class _Shard:
         return {**self.__dict__, "_mm": None}
 
 
+def read_shard_samples(path: str, entry: dict, aux_width: int, hidden: int) -> list[dict]:
+    """Every sample of one shard file outside a store (capture's pieces of a shard in progress), after checking it
+    against `entry` (start, end, num_tokens, bytes, sha256 as write_shard returned them): dicts of input_ids int32,
+    loss_mask uint8, aux / last_hidden bf16, as write_shard takes them."""
+    if not os.path.isfile(path) or sha256_file(path) != entry.get("sha256"):
+        raise bad_input(path, "missing, or its sha256 does not match the record of it")
+    sh = _Shard(path, entry, aux_width, hidden)
+    out = []
+    for j in range(entry["end"] - entry["start"]):
+        a, b = int(sh.offsets[j]), int(sh.offsets[j + 1])
+        out.append({name: sh.rows(name, a, b) for name in ("input_ids", "loss_mask", "aux", "last_hidden")})
+    return out
+
+
 class Store:
     """Read a capture store: random access by sample, seeded batch order, sample-range views.
 

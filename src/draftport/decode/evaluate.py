@@ -131,23 +131,34 @@ class RunFigures:
         self.match = self.compared = self.exact = self.prompts = 0
         self.req = RequestTimes()
 
-    def add(self, res, ref: list[int]) -> dict:
-        """A generation against the no-speculation output ref (same prompt); returns its metrics.jsonl fields."""
-        m = prefix_match(res.token_ids, ref)
-        times = self.req.add(res)
-        self.prompts += 1
-        self.match, self.compared = self.match + m, self.compared + max(len(ref), len(res.token_ids))
-        self.exact += int(res.token_ids == ref)
-        self.accept_lens += res.accept_lens
-        self.match_lens += res.match_lens
-        self.sources += res.sources
-        self.draft_s += res.timings.draft_s
-        self.verify_s += res.timings.verify_s
-        self.over_s += res.timings.overhead_s
-        return {"accept_len": res.accept_len, **times, "match": res.token_ids == ref, "cycles": res.cycles}
+    @staticmethod
+    def record(res, ref: list[int]) -> dict:
+        """What a generation against the no-speculation output ref (same prompt) adds (plain JSON, so an
+        interrupted eval keeps it); its "row" is the metrics.jsonl fields."""
+        times = RequestTimes.record(res)
+        return {"times": times, "match": prefix_match(res.token_ids, ref),
+                "compared": max(len(ref), len(res.token_ids)), "exact": res.token_ids == ref,
+                "accept_lens": res.accept_lens, "match_lens": res.match_lens, "sources": res.sources,
+                "draft_s": res.timings.draft_s, "verify_s": res.timings.verify_s, "overhead_s": res.timings.overhead_s,
+                "row": {"accept_len": res.accept_len, **RequestTimes.row(times), "match": res.token_ids == ref,
+                        "cycles": res.cycles}}
 
-    def add_offline(self, walk, matches: list[int]) -> None:
-        self.offline += walk.cycle_accepts
+    def add(self, rec: dict) -> None:
+        """Sum in one generation's record."""
+        self.req.add(rec["times"])
+        self.prompts += 1
+        self.match, self.compared = self.match + rec["match"], self.compared + rec["compared"]
+        self.exact += int(rec["exact"])
+        self.accept_lens += rec["accept_lens"]
+        self.match_lens += rec["match_lens"]
+        self.sources += rec["sources"]
+        self.draft_s += rec["draft_s"]
+        self.verify_s += rec["verify_s"]
+        self.over_s += rec["overhead_s"]
+
+    def add_offline(self, cycles: list[int], matches: list[int]) -> None:
+        """Sum in the offline walk of one prompt: accepts and match lengths per cycle."""
+        self.offline += cycles
         self.offline_matches += matches
 
     def summary(self, baseline: RequestTimes, greedy: bool) -> dict:
@@ -238,7 +249,8 @@ class EvalRun:
 class EvalTally:
     """The per-prompt loop's sums: metrics.jsonl's rows, the speculative run's cycles and phase times,
     the offline walk's accepts (without --store), token and time totals, HF generate's rates, and the
-    floor's and hybrid's own figures (RunFigures)."""
+    floor's and hybrid's own figures (RunFigures). Each prompt's share comes as one plain-JSON record
+    (prompt_record), so the sums of an eval resumed from kept records are those of an uninterrupted one."""
 
     def __init__(self, run: EvalRun):
         self.rows: list[dict] = []
@@ -252,6 +264,33 @@ class EvalTally:
         self.hf_rates: list[float] = []
         self.fl_fig = RunFigures(run.k, run.lk)
         self.hy_fig = RunFigures(run.k, run.hyb_lk) if run.hyb is not None else None
+
+    def add(self, rec: dict) -> None:
+        """Sum in one prompt's record (prompt_record)."""
+        tot, spec = self.tot, rec["spec"]
+        tot["match"] += rec["match"]
+        tot["compared"] += rec["compared"]
+        tot["exact"] += int(rec["exact"])
+        self.spec_req.add(spec["times"])
+        self.base_req.add(rec["base"]["times"])
+        if rec.get("fast") is not None:
+            self.fast_req.add(rec["fast"]["times"])
+            for key in self.fast_text:
+                self.fast_text[key] += int(rec["fast"][key])
+        self.cycles += spec["accept_lens"]
+        self.draft_s += spec["draft_s"]
+        self.verify_s += spec["verify_s"]
+        self.over_s += spec["overhead_s"]
+        if rec["hf"] is not None:
+            self.hf_rates.append(rec["hf"])
+        self.fl_fig.add_offline(rec["floor_offline"]["cycles"], rec["floor_offline"]["matches"])
+        self.fl_fig.add(rec["floor"])
+        if self.hy_fig is not None:
+            self.hy_fig.add(rec["hybrid"])
+        if rec["offline"] is not None:
+            self.offline_cycles += rec["offline"]["cycles"]
+            self.offline_positions += rec["offline"]["positions"]
+        self.rows.append(rec["row"])
 
 
 def store_offline(run: EvalRun, drafter, store: str | None, max_samples: int, console) -> dict | None:
@@ -277,53 +316,48 @@ def warm_up(run: EvalRun, warm: list[int]) -> None:
         hf_generate_rate(run.target, warm, min(N, 4), stops, run.ecfg.temperature, run.ecfg.top_p, run.ecfg.seed)
 
 
-def eval_prompt(run: EvalRun, tally: EvalTally, i: int, conv, p: list[int]) -> None:
-    """One prompt: no speculation (the reference), the speculative run against it, HF generate's rate,
-    the floor and the hybrid, the offline walk on the reference outputs; its row into tally.rows."""
-    N, k, stops, tot = run.N, run.k, run.stops, tally.tot
+def prompt_record(run: EvalRun, i: int, conv, p: list[int]) -> dict:
+    """One prompt: no speculation (the reference), the speculative run against it, HF generate's rate, the floor
+    and the hybrid, the offline walk on the reference outputs. Returns its share of the sums as plain JSON
+    (EvalTally.add); its "row" is the prompt's metrics.jsonl line."""
+    N, k, stops = run.N, run.k, run.stops
     seed = run.ecfg.seed + i
     rb = run.base.generate(p, run.n_base, stops, seed=seed)
     rs = run.spec.generate(p, N, stops, seed=seed)
-    b_times, s_times = tally.base_req.add(rb), tally.spec_req.add(rs)
+    b_times, s_times = RequestTimes.record(rb), RequestTimes.record(rs)
+    fast = None
+    if run.fast_base is not None:  # the unpadded plain engine: its times, and whether its text is base's
+        rf = run.fast_base.generate(p, run.n_base, stops, seed=seed)
+        fast = {"times": RequestTimes.record(rf), "match": prefix_match(rf.token_ids, rb.token_ids),
+                "compared": max(len(rf.token_ids), len(rb.token_ids)), "exact": rf.token_ids == rb.token_ids}
     ref = rb.token_ids[:N]
     m = prefix_match(rs.token_ids, ref)
-    tot["match"] += m
-    tot["compared"] += max(len(ref), len(rs.token_ids))
-    tot["exact"] += int(rs.token_ids == ref)
-    if run.fast_base is not None:
-        rf = run.fast_base.generate(p, run.n_base, stops, seed=seed)
-        tally.fast_req.add(rf)
-        ft = tally.fast_text
-        ft["match"] += prefix_match(rf.token_ids, rb.token_ids)
-        ft["compared"] += max(len(rf.token_ids), len(rb.token_ids))
-        ft["exact"] += int(rf.token_ids == rb.token_ids)
-    tally.cycles += rs.accept_lens
-    tally.draft_s += rs.timings.draft_s
-    tally.verify_s += rs.timings.verify_s
-    tally.over_s += rs.timings.overhead_s
     hf = None
     if run.hf_baseline:
         hf, _ = hf_generate_rate(run.target, p, N, stops, run.ecfg.temperature, run.ecfg.top_p, seed)
-        if hf is not None:
-            tally.hf_rates.append(hf)
     fw, fm = lookup_walk(run.lk, p, rb.token_ids, k, N, skip_no_match=run.ecfg.ngram_no_match == "step")
-    tally.fl_fig.add_offline(fw, fm)
-    frow = tally.fl_fig.add(rs if run.ngram_only else run.floor.generate(p, N, stops, seed=seed), ref)
-    hrow = tally.hy_fig.add(run.hyb.generate(p, N, stops, seed=seed), ref) if run.hyb is not None else None
+    frec = RunFigures.record(rs if run.ngram_only else run.floor.generate(p, N, stops, seed=seed), ref)
+    hrec = RunFigures.record(run.hyb.generate(p, N, stops, seed=seed), ref) if run.hyb is not None else None
     w = None
     if run.store_result is None:
         w = fw if run.ngram_only else offline_on_outputs(run.spec, run.target, p, rb.token_ids, N)
-        tally.offline_cycles += w.cycle_accepts
-        tally.offline_positions += w.position_accepts
-    tally.rows.append({
-        "index": i, "id": conv.id, "prompt_tokens": len(p), "new_tokens": len(rs.token_ids), "token_ids": rs.token_ids,
-        "cycles": rs.cycles, "accept_len": rs.accept_len, "accept_lens": rs.accept_lens,
-        **s_times, **{f"baseline_{k}": v for k, v in b_times.items()},
-        "hf_generate_tok_s": hf, "match_prefix": m, "match": rs.token_ids == ref,
-        "offline_accept_len": (sum(w.cycle_accepts) / len(w.cycle_accepts) + 1.0
-                               if w is not None and w.cycle_accepts else None),
-        "draft_ms": mean_ms(rs.timings.draft_s), "verify_ms": mean_ms(rs.timings.verify_s),
-        "overhead_ms": mean_ms(rs.timings.overhead_s), "floor": frow, "hybrid": hrow})
+    return {
+        "base": {"times": b_times}, "fast": fast,
+        "spec": {"times": s_times, "accept_lens": rs.accept_lens, "draft_s": rs.timings.draft_s,
+                 "verify_s": rs.timings.verify_s, "overhead_s": rs.timings.overhead_s},
+        "match": m, "compared": max(len(ref), len(rs.token_ids)), "exact": rs.token_ids == ref, "hf": hf,
+        "floor_offline": {"cycles": fw.cycle_accepts, "matches": fm}, "floor": frec, "hybrid": hrec,
+        "offline": None if w is None else {"cycles": w.cycle_accepts, "positions": w.position_accepts},
+        "row": {
+            "index": i, "id": conv.id, "prompt_tokens": len(p), "new_tokens": len(rs.token_ids),
+            "token_ids": rs.token_ids, "cycles": rs.cycles, "accept_len": rs.accept_len, "accept_lens": rs.accept_lens,
+            **RequestTimes.row(s_times), **{f"baseline_{k}": v for k, v in RequestTimes.row(b_times).items()},
+            "hf_generate_tok_s": hf, "match_prefix": m, "match": rs.token_ids == ref,
+            "offline_accept_len": (sum(w.cycle_accepts) / len(w.cycle_accepts) + 1.0
+                                   if w is not None and w.cycle_accepts else None),
+            "draft_ms": mean_ms(rs.timings.draft_s), "verify_ms": mean_ms(rs.timings.verify_s),
+            "overhead_ms": mean_ms(rs.timings.overhead_s), "floor": frec["row"],
+            "hybrid": hrec["row"] if hrec is not None else None}}
 
 
 def tau_figures(run: EvalRun, tally: EvalTally) -> tuple[dict, dict, str]:

@@ -46,21 +46,31 @@ def mean_ms(xs: list[float]) -> float | None:
 class RequestTimes:
     """What a request sees, summed over requests: time to first token (the call to the first new token on the host)
     and end-to-end tok/s (new tokens / the whole call, prefill and first token included), beside the decode rate
-    (tokens after the first / time after the prefill). add() takes an engine's GenerationResult."""
+    (tokens after the first / time after the prefill). Sums of plain records (record(), JSON), so an interrupted
+    eval keeps them."""
 
     def __init__(self):
         self.ttft_s: list[float] = []
         self.tokens = self.decode_tokens = 0
         self.total_s = self.decode_s = 0.0
 
-    def add(self, res) -> dict:
+    @staticmethod
+    def record(res) -> dict:
+        """An engine GenerationResult's times as plain JSON."""
         t = res.timings
-        tok = len(res.token_ids)
-        self.ttft_s.append(t.first_token_s)
-        self.tokens, self.total_s = self.tokens + tok, self.total_s + t.total_s
-        self.decode_tokens, self.decode_s = self.decode_tokens + tok - 1, self.decode_s + t.total_s - t.prefill_s
-        return {"ttft_ms": 1e3 * t.first_token_s, "e2e_tok_s": decode_rate(tok, t.total_s),
-                "tok_s": decode_rate(tok - 1, t.total_s - t.prefill_s)}
+        return {"tokens": len(res.token_ids), "ttft_s": t.first_token_s, "prefill_s": t.prefill_s, "total_s": t.total_s}
+
+    @staticmethod
+    def row(rec: dict) -> dict:
+        """One request's figures (a metrics.jsonl row's): ttft_ms, e2e_tok_s, tok_s (decode)."""
+        return {"ttft_ms": 1e3 * rec["ttft_s"], "e2e_tok_s": decode_rate(rec["tokens"], rec["total_s"]),
+                "tok_s": decode_rate(rec["tokens"] - 1, rec["total_s"] - rec["prefill_s"])}
+
+    def add(self, rec: dict) -> None:
+        self.ttft_s.append(rec["ttft_s"])
+        self.tokens, self.total_s = self.tokens + rec["tokens"], self.total_s + rec["total_s"]
+        self.decode_tokens += rec["tokens"] - 1
+        self.decode_s += rec["total_s"] - rec["prefill_s"]
 
     @property
     def tok_s(self) -> float | None:

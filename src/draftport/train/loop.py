@@ -19,7 +19,8 @@ load as is, with the exact resume state in its resume/ folder (train/rundir.py, 
 command continues from the newest complete checkpoint (model, optimizer, schedule, RNG, data
 position); --restart starts over; a different config is refused. The batch of step s is a pure
 function of (seed, s) (parallel.epoch_batch), so the data position is the step. The finished
-drafter is also copied to <out>/final (engine files only).
+drafter is also copied to <out>/final (engine files only). Ctrl-C ends the step in progress and writes a
+checkpoint at it before the run stops (interrupt.StopRequest), so an interrupted run resumes where it was.
 
 Speed: on CUDA the TTT attention runs as one fused flex-attention kernel for the step-0 causal keys
 plus the later steps' diagonal keys in closed form (flex_ttt_attention; no [T, T] scores, so long
@@ -54,6 +55,7 @@ from draftport.capture.capture import (DEFAULT_BATCH, DEFAULT_MAX_LEN, REGEN_FIL
 from draftport.check.layers import validate_aux_ids
 from draftport.data.conversations import check_data_source, load_conversations, split_train_val
 from draftport.errors import DraftportError, bad_input
+from draftport.interrupt import Interrupted, StopRequest
 from draftport.model.formats import save_drafter
 from draftport.model.target import load_target
 from draftport.safeio import atomic_write_json, default_out, read_json
@@ -460,7 +462,9 @@ def _run(cfg: TrainConfig, info, target, console) -> dict:
     pending: list = []  # (step, loss, gradient norm, skipped flag) of steps whose flag the host has not read
     progress = Progress(TextColumn("training"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
                         TimeRemainingColumn(), console=console, disable=not info.is_main)
-    with progress:
+    # Ctrl-C inside a step would leave the weights half updated: it asks for a stop after the step instead, which
+    # then writes a checkpoint at the step reached (a rerun resumes there) and raises Interrupted
+    with progress, StopRequest("after this step, once its checkpoint is written") as stop:
         task = progress.add_task("train", total=t.steps, completed=start, info="")
         for step in range(start, t.steps):
             s = train_step(t, step)
@@ -470,7 +474,8 @@ def _run(cfg: TrainConfig, info, target, console) -> dict:
             # a mark is near when this rank's share, scaled to all ranks, reaches it (exact on one process);
             # the all-reduced count below decides
             at_mark = bool(marks) and seen0 + tokens * info.world_size >= marks[0]
-            saving = done % save_every == 0 or done == t.steps or at_mark
+            stopping = done < t.steps and _stop_requested(stop, info)
+            saving = done % save_every == 0 or done == t.steps or at_mark or stopping
             validating = bool(val_every and done % val_every == 0) or done == t.steps
             if t.device_guard and not (saving or validating or done % log_every == 0):
                 progress.update(task, completed=done)
@@ -517,6 +522,10 @@ def _run(cfg: TrainConfig, info, target, console) -> dict:
                         rundir.publish_milestone(final_path, out, marks[0], seen, done)
                     marks.pop(0)
             progress.update(task, completed=done)
+            if stopping:
+                metrics.close()  # the TensorBoard events of the steps run so far reach the disk
+                raise Interrupted(f"training stopped at step {done} of {t.steps} with a checkpoint there "
+                                  f"({final_path})")
             if slow:
                 time.sleep(slow)
     if start >= t.steps:  # a finished run rerun: report what its last checkpoint recorded
@@ -540,6 +549,14 @@ def _run(cfg: TrainConfig, info, target, console) -> dict:
     if info.is_main:
         atomic_write_json(os.path.join(out, "summary.json"), summary)
     return summary
+
+
+def _stop_requested(stop: StopRequest, info) -> bool:
+    """Whether to stop after this step: Ctrl-C reaches the ranks at different moments, so with several ranks any
+    rank's request stops them all at the same step (the checkpoint is a collective)."""
+    if not info.distributed:
+        return stop.requested
+    return parallel.all_reduce_sum(torch.tensor([float(stop.requested)], device=info.device), info).item() > 0
 
 
 def step_record(t: Trainer, s: Step, tokens: int, padded: int, seen0: int, elapsed: float) -> dict:

@@ -2,10 +2,24 @@
 prompt-lookup floor (and, with --hybrid, the hybrid) on the same prompts; offline τ and the tok/s economics
 predicts from step times measured in isolation. decode/evaluate.py runs the evaluation; this module loads the
 models, shows progress and writes summary.json, metrics.jsonl, accept.png and manifest.json.
+
+Resume. An eval is named by its key: a hash of the flags and of what the target, drafter, prompt and store
+paths are (safeio.path_fingerprint), and the default --out is ./draftport-runs/eval-<key>/, so the same
+command finds its folder again (as capture and train resume in theirs; a timestamped folder could never be
+found). Each decoded prompt's share of the sums is appended to progress.jsonl (keyed, fsynced) as it finishes;
+a rerun of the same eval reads it back and decodes only the prompts after it, and the summary adds up the
+same records an uninterrupted run would (the rates of the prompts decoded before a kill are the ones measured
+then). A finished eval of the same key is reported again, not measured again (--restart measures again);
+another key's progress or outputs in --out are replaced. A caller that passes loaded models (benchmarks, tests)
+owns what they are: the key knows only what the flags name, so such an eval neither resumes nor reuses.
+
+Test hook: the environment variable DRAFTPORT_TEST_SLOW_PROMPT_S=<seconds> makes eval wait that long after each
+decoded prompt, so a test can signal it between prompts.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import tempfile
@@ -19,15 +33,17 @@ from rich.table import Table
 
 from draftport.data.chat import stop_token_ids
 from draftport.data.conversations import load_prompts
-from draftport.decode.evaluate import (EvalRun, EvalTally, encode_prompts, eval_engines, eval_prompt, eval_summary,
-                                       lookup_for, store_offline, warm_up)
+from draftport.decode.evaluate import (EvalRun, EvalTally, encode_prompts, eval_engines, eval_summary, lookup_for,
+                                       prompt_record, store_offline, warm_up)
 from draftport.decode.options import DEFAULT_MAX_NEW_TOKENS, NGRAM, EngineConfig, LookupConfig
 from draftport.check.engines import EngineRef
 from draftport.errors import DraftportError
+from draftport.interrupt import Interrupted
 from draftport.model.formats import load_drafter, load_drafter_for, save_drafter
 from draftport.model.target import load_target, resolve_device, target_embedding
 from draftport.serving.vllm_engine import VllmSettings, require_vllm, speculative_config, versus, vllm_eval
-from draftport.safeio import atomic_write_bytes, atomic_write_json, default_out, sha256_file
+from draftport.safeio import (atomic_write_bytes, atomic_write_json, default_out, path_fingerprint, read_json,
+                              sha256_file)
 from draftport.study import plots
 from draftport.study.report import fmt
 from draftport.verbs.answer import answer
@@ -35,6 +51,8 @@ from draftport.verbs.export import export_findings
 
 DEFAULT_TIMING_REPEATS = 20    # calls per isolated step measurement (median taken)
 BACKENDS = ("draftport", "vllm", "both")
+PROGRESS = "progress.jsonl"    # the eval's key, then one record a decoded prompt (removed once the outputs are written)
+OUTPUTS = ("summary.json", "metrics.jsonl", "accept.png", "manifest.json")
 
 
 @dataclass
@@ -58,6 +76,7 @@ class EvalConfig:
     timing_repeats: int = DEFAULT_TIMING_REPEATS  # calls per isolated step timing
     offline_samples: int = 200           # store samples used for the offline τ at most
     backend: str = "draftport"           # whose engine decodes: draftport | vllm (its offline engine) | both
+    restart: bool = False                # measure again: no resume, no reuse of a finished eval
 
 
 def flag_record(cfg) -> dict:
@@ -82,15 +101,119 @@ def check_eval_flags(cfg: EvalConfig) -> int:
     return N
 
 
-def decode_prompts(run: EvalRun, convs, prompts: list[list[int]], console) -> EvalTally:
-    """Every prompt through every engine (eval_prompt), behind a progress bar."""
+def eval_key(cfg: EvalConfig) -> str:
+    """The eval's identity (12 hex digits): its flags, and what its paths are (safeio.path_fingerprint), not how
+    they are spelled; where the output goes, --json and --restart are no part of it."""
+    flags = {k: v for k, v in flag_record(cfg).items()
+             if k not in ("out", "json", "restart", "target", "drafter", "prompts", "store")}
+    inputs = {k: path_fingerprint(getattr(cfg, k)) for k in ("target", "drafter", "prompts", "store")}
+    text = json.dumps({"flags": flags, "inputs": inputs}, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:12]
+
+
+def default_out_for(cfg: EvalConfig) -> str:
+    """--out when none is given: ./draftport-runs/eval-<key>/, found again by the same command (the CLI asks)."""
+    return default_out("eval", eval_key(cfg))
+
+
+def finished_eval(out: str, key: str) -> dict | None:
+    """The summary of a finished eval of this key in `out` (manifest.json names the key and checksums the
+    outputs it wrote last), else None."""
+    try:
+        manifest = read_json(os.path.join(out, "manifest.json"))
+        if manifest.get("verb") != "eval" or manifest.get("key") != key:
+            return None
+        for f in manifest["files"]:
+            if sha256_file(os.path.join(out, f["file"])) != f["sha256"]:
+                return None
+        return read_json(os.path.join(out, "summary.json"))
+    except (DraftportError, OSError, KeyError, TypeError):
+        return None
+
+
+class PromptLog:
+    """progress.jsonl: the key on its first line, then one prompt_record a line, appended and fsynced as each
+    prompt finishes. A kill mid-append leaves a last line without its newline: it is dropped on reading. The
+    file is (re)written with the first new record, so it never holds the key alone: a folder holding it holds
+    decoded prompts."""
+
+    def __init__(self, out: str, key: str, console, restart: bool = False):
+        self.path, self.key, self.console = os.path.join(out, PROGRESS), key, console
+        self.records = [] if restart else self._read()
+        self.started = False
+
+    def _read(self) -> list[dict]:
+        if not os.path.isfile(self.path):
+            return []
+        with open(self.path, "rb") as f:
+            lines = f.read().split(b"\n")[:-1]  # the part after the last newline is a torn append
+        records = []
+        try:
+            if not lines or json.loads(lines[0]).get("key") != self.key:
+                self.console.print(f"{self.path} holds another eval's prompts (other flags or files); starting over")
+                return []
+            for line in lines[1:]:
+                rec = json.loads(line)
+                if not isinstance(rec, dict) or rec.get("row", {}).get("index") != len(records):
+                    raise ValueError("records out of order")
+                records.append(rec)
+        except (ValueError, AttributeError):
+            self.console.print(f"[yellow]{self.path}: unreadable after {len(records)} prompts; decoding from "
+                               "there[/yellow]")
+        return records
+
+    def add(self, rec: dict) -> None:
+        """Keep one more prompt's record. The first call of a run rewrites the file: the key, the records read
+        back (a torn tail dropped), this one; a fresh eval first removes another eval's outputs from the folder."""
+        if not self.started:
+            out = os.path.dirname(self.path)
+            os.makedirs(out, exist_ok=True)
+            if not self.records:
+                for name in OUTPUTS:
+                    if os.path.exists(os.path.join(out, name)):
+                        os.unlink(os.path.join(out, name))
+            lines = [{"key": self.key}] + self.records + [rec]
+            atomic_write_bytes(self.path, "".join(json.dumps(r) + "\n" for r in lines).encode("utf-8"))
+            self.started = True
+        else:
+            with open(self.path, "ab") as f:
+                f.write((json.dumps(rec) + "\n").encode("utf-8"))
+                f.flush()
+                os.fsync(f.fileno())
+        self.records.append(rec)
+
+    def finish(self) -> None:
+        if os.path.exists(self.path):
+            os.unlink(self.path)
+
+
+def decode_prompts(run: EvalRun, convs, prompts: list[list[int]], console, log: PromptLog | None = None) -> EvalTally:
+    """Every prompt through every engine (prompt_record), behind a progress bar. log: the prompts a killed run
+    kept are summed from it, not decoded again, and each new one is kept in it as it finishes."""
     tally = EvalTally(run)
+    kept = [] if log is None else log.records[:len(prompts)]
+    for rec in kept:
+        tally.add(rec)
+    if kept:
+        console.print(f"{len(kept)} of {len(prompts)} prompts decoded by an earlier run read back from {log.path}")
     with Progress(TextColumn("eval"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, transient=True) as bar:
-        task = bar.add_task("prompts", total=len(prompts))
-        for i, (conv, p) in enumerate(zip(convs, prompts)):
-            eval_prompt(run, tally, i, conv, p)
-            bar.advance(task)
+        task = bar.add_task("prompts", total=len(prompts), completed=len(kept))
+        slow = float(os.environ.get("DRAFTPORT_TEST_SLOW_PROMPT_S", "0") or 0)  # test hook: time to kill a run
+        try:
+            for i in range(len(kept), len(prompts)):
+                rec = json.loads(json.dumps(prompt_record(run, i, convs[i], prompts[i])))  # the form it is kept in
+                if log is not None:
+                    log.add(rec)
+                tally.add(rec)
+                bar.advance(task)
+                if slow:
+                    time.sleep(slow)
+        except KeyboardInterrupt:
+            if log is None or not log.records:
+                raise
+            raise Interrupted(f"{len(log.records)} of {len(prompts)} prompts are decoded and kept in {log.path}") \
+                from None
     return tally
 
 
@@ -105,8 +228,16 @@ def run_eval(cfg: EvalConfig, *, target=None, drafter=None, console=None) -> dic
     convs = load_prompts(cfg.prompts, max_samples=cfg.max_samples)   # bad files fail before any model loads
     if cfg.backend != "draftport":
         check_vllm_backend(cfg)
+    resumable = target is None and drafter is None                  # else the key cannot know the models
+    key = eval_key(cfg)
+    if resumable and not cfg.restart:
+        done = finished_eval(cfg.out, key)
+        if done is not None:
+            console.print(f"the eval in {cfg.out} is finished (same flags, target, drafter and prompts): its summary "
+                          "again; --restart measures again")
+            return done
     if cfg.backend == "vllm":
-        return run_vllm_eval(cfg, N, convs, console)
+        return run_vllm_eval(cfg, N, convs, console, key)
     if cfg.store is not None and not os.path.isdir(cfg.store):
         raise DraftportError("no such capture store directory", cfg.store)
     ngram_only = cfg.drafter == NGRAM and drafter is None             # prompt lookup is the speculative run
@@ -126,14 +257,17 @@ def run_eval(cfg: EvalConfig, *, target=None, drafter=None, console=None) -> dic
                   timing_repeats=cfg.timing_repeats, hf_baseline=not cfg.no_hf_baseline, fast_base=fast)
     run.store_result = store_offline(run, drafter, cfg.store, cfg.offline_samples, console)
     warm_up(run, prompts[0])
-    tally = decode_prompts(run, convs, prompts, console)
+    log = PromptLog(cfg.out, key, console, restart=cfg.restart) if resumable else None
+    tally = decode_prompts(run, convs, prompts, console, log)
     summary = eval_summary(run, tally, prompts)
     if cfg.backend == "both":
         del target, drafter, run   # vLLM's engine next: draftport's models leave memory first
         summary["vllm"] = vllm_section(cfg, N, prompts, stops, console)
         summary["vllm"]["vs_draftport"] = versus(summary, summary["vllm"], [r["token_ids"] for r in tally.rows],
                                                  summary["vllm"].pop("texts"), cfg.decoding.temperature == 0)
-    write_outputs(cfg.out, summary, tally.rows)
+    write_outputs(cfg.out, summary, tally.rows, key)
+    if log is not None:
+        log.finish()
     return summary
 
 
@@ -183,7 +317,7 @@ def vllm_section(cfg: EvalConfig, N: int, prompts: list[list[int]], stops: list[
     return figs
 
 
-def run_vllm_eval(cfg: EvalConfig, N: int, convs, console) -> dict:
+def run_vllm_eval(cfg: EvalConfig, N: int, convs, console, key: str) -> dict:
     """--backend vllm: the prompts (encoded by the target's tokenizer, as draftport's own engine does) through
     vLLM alone; summary.json holds the vLLM section and the flags."""
     from transformers import AutoTokenizer
@@ -200,11 +334,12 @@ def run_vllm_eval(cfg: EvalConfig, N: int, convs, console) -> dict:
     os.makedirs(cfg.out, exist_ok=True)
     atomic_write_bytes(os.path.join(cfg.out, "metrics.jsonl"), "".join(json.dumps(r) + "\n" for r in rows).encode())
     atomic_write_json(os.path.join(cfg.out, "summary.json"), summary)
+    write_manifest(cfg.out, key)
     return summary
 
 
-def write_outputs(out: str, summary: dict, rows: list[dict]) -> None:
-    """summary.json, metrics.jsonl (one line a prompt), accept.png, manifest.json (files + sha256)."""
+def write_outputs(out: str, summary: dict, rows: list[dict], key: str | None = None) -> None:
+    """summary.json, metrics.jsonl (one line a prompt), accept.png, manifest.json (files + sha256, the key)."""
     os.makedirs(out, exist_ok=True)
     lines = "".join(json.dumps(r) + "\n" for r in rows)
     atomic_write_bytes(os.path.join(out, "metrics.jsonl"), lines.encode("utf-8"))
@@ -214,9 +349,14 @@ def write_outputs(out: str, summary: dict, rows: list[dict]) -> None:
                               accept_len=summary["accept_len"],
                               title=f"{os.path.basename(str(summary['config']['drafter']).rstrip('/'))}, depth {k}")
     atomic_write_json(os.path.join(out, "summary.json"), summary)
+    write_manifest(out, key)
+
+
+def write_manifest(out: str, key: str | None) -> None:
+    """manifest.json, written last (what finished_eval trusts): the eval's key and each output's sha256."""
     files = [f for f in ("summary.json", "metrics.jsonl", "accept.png") if os.path.exists(os.path.join(out, f))]
     atomic_write_json(os.path.join(out, "manifest.json"), {
-        "verb": "eval", "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "verb": "eval", "key": key, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "files": [{"file": f, "bytes": os.path.getsize(os.path.join(out, f)),
                    "sha256": sha256_file(os.path.join(out, f))} for f in files]})
 
@@ -258,7 +398,7 @@ def render_eval(summary: dict, console) -> None:
 
 def main(cfg: EvalConfig) -> int:
     if cfg.out is None:
-        cfg.out = default_out("eval")
+        cfg.out = default_out_for(cfg)
     answer(run_eval(cfg), cfg.json, render)
     return 0
 

@@ -62,7 +62,7 @@ def run_generate(cfg: GenerateConfig, *, target=None, drafter=None) -> dict:
     for s in (template.stop_strings if isinstance(template, ChatTemplate) else ()):
         text = text.split(s)[0]  # a base model runs on into the next "User:" turn; the engine stops on ids only
     return {"text": text, "token_ids": r.token_ids, "accept_len": r.accept_len if speculative else 1.0,
-            **RequestTimes().add(r),  # tok_s (decode), ttft_ms, e2e_tok_s
+            **RequestTimes.row(RequestTimes.record(r)),  # tok_s (decode), ttft_ms, e2e_tok_s
             "cycles": r.cycles, "prompt_tokens": len(ids), "speculative": speculative,
             "drafter_kind": "hybrid" if cfg.lookup.hybrid else ("ngram" if ngram_only else ("eagle3" if drafter else None)),
             "by_source": split_tau(r.sources, r.accept_lens) if lk is not None else None,
