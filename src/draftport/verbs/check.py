@@ -94,8 +94,7 @@ def run_check(cfg: CheckConfig) -> dict:
         ef: list[dict] = []
         for ref in refs:
             ef += engine_support(a, inv_a, ref.engine, version=ref.version)
-        if a.target_hidden_size != a.hidden_size:  # the states fc reads are the target's width
-            ef += embedding_findings(a, inv_a, a.target_hidden_size, refs)
+        ef += embedding_findings(a, inv_a, a.target_hidden_size, refs)  # fc reads states of the target's width
         findings += ef
         per_engine = {e: "incompatible" if structural or any(f["severity"] == "error" and f.get("engine") == e
                                                              for f in ef) else "compatible" for e in engines}
