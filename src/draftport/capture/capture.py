@@ -37,7 +37,7 @@ from draftport.data import conversations as data_mod
 from draftport.data.chat import resolve_chat_template, tokenize_conversations
 from draftport.data.conversations import check_data_source, save_conversations
 from draftport.data.store import MANIFEST, StoreWriter, bytes_per_token, clear_store, identity_mismatch
-from draftport.decode.options import BATCH_ENGINES, REGEN_ENGINES
+from draftport.decode.options import BATCH_ENGINES, BACKENDS, REGEN_ENGINES, REGEN_VLLM
 from draftport.errors import DraftportError, bad_input
 from draftport.model.target import load_target
 from draftport.safeio import atomic_write_json, read_json
@@ -52,7 +52,8 @@ REGEN_FILE = "regenerated.jsonl"
 # what must be equal to resume; "request" keys come straight from the flags (checked before the
 # target loads), the rest are derived from the target and the data
 REGEN_KEYS = ("samples_per_prompt", "max_new_tokens", "temperature", "regen_batch_size", "regen_engine")  # its flags
-REQUEST_KEYS = ("target", "data", "max_samples", "max_len", "chat_template", "regenerate", "seed", "dtype") + REGEN_KEYS
+REQUEST_KEYS = ("target", "data", "max_samples", "max_len", "chat_template", "regenerate", "seed", "dtype",
+                "backend") + REGEN_KEYS
 IDENTITY = REQUEST_KEYS + ("aux_layers", "hidden_size", "shard_tokens", "data_sha256", "expected_samples")
 
 
@@ -80,6 +81,9 @@ class CaptureConfig:
     restart: bool = False              # delete the store in --out and start over
     shard_tokens: int | None = None    # tokens per shard (None: about 256 MiB of shard)
     trust_remote_code: bool = False    # let the target run its own modelling code
+    backend: str = "draftport"         # who runs the target: draftport (HF transformers) | vllm (its engine,
+                                       # serving/vllm_capture.py; regeneration through it too)
+    tensor_parallel_size: int = 1      # --backend vllm: GPUs the target is split over
     json: bool = False                 # print the summary as one JSON object on stdout
 
 
@@ -120,8 +124,10 @@ def request_config(cfg: CaptureConfig) -> dict:
             "max_new_tokens": cfg.max_new_tokens if cfg.regenerate else None,
             "temperature": cfg.temperature if cfg.regenerate else None, "seed": cfg.seed,
             "regen_batch_size": (cfg.regen_batch_size or cfg.batch_size or DEFAULT_BATCH) if cfg.regenerate else None,
-            "regen_engine": cfg.regen_engine if cfg.regenerate else None,
-            "dtype": cfg.dtype or ("bf16" if device.startswith("cuda") else "fp32")}
+            "regen_engine": (REGEN_VLLM if cfg.backend == REGEN_VLLM else cfg.regen_engine) if cfg.regenerate else None,
+            "dtype": cfg.dtype or ("bf16" if device.startswith("cuda") else "fp32"),
+            # None for the HF path: a store captured before the key existed resumes
+            "backend": cfg.backend if cfg.backend != "draftport" else None}
 
 
 def _refuse_if_different(out: str, request: dict) -> None:
@@ -180,6 +186,8 @@ def regenerate_into(out: str, target, convs, request: dict, console: Console, *,
             if not os.path.exists(path):
                 if engine in BATCH_ENGINES and generator is None:  # one cache and graph for every chunk
                     generator = regen_mod.batch_generator(target, B, request["max_len"], temperature, engine=engine)
+                elif engine == REGEN_VLLM and generator is None:  # the target runs in vLLM (serving/vllm_capture.py)
+                    generator = target.generator(B, request["max_len"], temperature)
                 part = regen_mod.regenerate(target, convs[s:s + chunk], samples_per_prompt=samples_per_prompt,
                                             max_new_tokens=max_new_tokens, temperature=temperature,
                                             seed=seed + ci, batch_size=B, chat_template=chat_template,
@@ -293,8 +301,10 @@ def capture_shard(target, ids: list[np.ndarray], masks: list[np.ndarray], batch_
     return states
 
 
-def run_capture(cfg: CaptureConfig, target=None, console: Console | None = None) -> dict:
-    """The whole verb; returns the summary dict (also written to <out>/summary.json)."""
+def run_capture(cfg: CaptureConfig, target=None, console: Console | None = None, open_target=None) -> dict:
+    """The whole verb; returns the summary dict (also written to <out>/summary.json). open_target(cfg): how the
+    target loads when none is passed (default: load_target; the verb passes vLLM's for --backend vllm, and
+    closes it)."""
     console = console or Console(stderr=True)
     if cfg.max_len is not None and cfg.max_len < 2:
         raise DraftportError(f"--max-len must be at least 2, got {cfg.max_len}")
@@ -302,6 +312,8 @@ def run_capture(cfg: CaptureConfig, target=None, console: Console | None = None)
         raise DraftportError("--batch-size, --regen-batch-size and --samples-per-prompt must be at least 1")
     if cfg.regen_engine not in REGEN_ENGINES:
         raise DraftportError(f"--regen-engine {cfg.regen_engine!r}: expected one of {', '.join(REGEN_ENGINES)}")
+    if cfg.backend not in BACKENDS:
+        raise DraftportError(f"--backend {cfg.backend!r}: expected one of {', '.join(BACKENDS)}")
     if cfg.shard_tokens is not None and cfg.shard_tokens < 1:
         raise DraftportError(f"--shard-tokens must be at least 1, got {cfg.shard_tokens}")
     out = cfg.out
@@ -322,8 +334,9 @@ def run_capture(cfg: CaptureConfig, target=None, console: Console | None = None)
 
     if target is None:
         with console.status(f"loading target {cfg.target}"):
-            target = load_target(cfg.target, device=cfg.device, dtype=cfg.dtype, aux_layers=cfg.aux_layers,
-                                 trust_remote_code=cfg.trust_remote_code)
+            target = (open_target(cfg) if open_target is not None else
+                      load_target(cfg.target, device=cfg.device, dtype=cfg.dtype, aux_layers=cfg.aux_layers,
+                                  trust_remote_code=cfg.trust_remote_code))
     aux_layers = list(validate_aux_ids(target.aux_layers, cfg.target, "the target's aux layers"))
     # a target passed in by a caller decides the compute dtype, whatever the flags said
     request["dtype"] = {torch.bfloat16: "bf16", torch.float32: "fp32"}.get(target.dtype, str(target.dtype))
@@ -380,9 +393,11 @@ def run_capture(cfg: CaptureConfig, target=None, console: Console | None = None)
     try:
         with _progress(console) as progress:
             task = progress.add_task("capturing", total=remaining)
-            for a, b in todo:
-                states = capture_shard(target, ids[a:b], masks[a:b], batch_size, pad_id,
-                                       on_batch=lambda n: progress.advance(task, n))
+            advance = lambda n: progress.advance(task, n)  # noqa: E731
+            # vLLM takes many shards' requests at once (its scheduler fills the batch), then hands them back in order
+            shards = (target.capture_shards(ids, masks, todo, on_batch=advance) if cfg.backend == "vllm" else
+                      (capture_shard(target, ids[a:b], masks[a:b], batch_size, pad_id, on_batch=advance) for a, b in todo))
+            for (a, b), states in zip(todo, shards):
                 writer.submit(states)  # written by the writer threads while the next shard computes
                 done += sum(lengths[a:b])
                 if slow:  # test hook (module docstring): let a test kill us between committed shards
