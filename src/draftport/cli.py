@@ -225,6 +225,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--accept-len", type=ACCEPT_LEN, default=None, help="measured τ (accepted drafts + 1 per cycle)")
     p.add_argument("--baseline-tok-s", type=POSITIVE, default=None, help="no-speculation tok/s")
     p.add_argument("--target-tok-s", type=POSITIVE, default=None, help="goal tok/s")
+    p.add_argument("--hidden-size", type=COUNT, default=None,
+                   help="the capture store question: the target's hidden size (Kimi-K2.5: 7168); answers bytes per "
+                        "captured token, each data set's store in bf16 and fp8, and what --disk-tb allows")
+    p.add_argument("--aux-count", type=COUNT, default=3, help="with --hidden-size: aux layers the drafter reads")
+    p.add_argument("--samples", type=_token_counts, default=None,
+                   help="with --hidden-size: data set sizes in samples, e.g. 100k,500k (the default)")
+    p.add_argument("--tokens-per-sample", type=COUNT, default=1000, help="with --hidden-size: mean tokens a sample")
+    p.add_argument("--disk-tb", type=POSITIVE, default=None, help="with --hidden-size: disk for the store, in TB")
+    p.add_argument("--epochs", type=COUNT, default=1,
+                   help="with --hidden-size: training epochs (the online path runs the target once per epoch)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 
     p = sub.add_parser("capture", help="target hidden states → a sharded store")

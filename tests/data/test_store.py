@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file
 
 from draftport.errors import DraftportError
-from draftport.data.store import (MANIFEST, Store, StoreWriter, batch_indices, bytes_per_token, collate,
+from draftport.economics import bytes_per_token
+from draftport.data.store import (MANIFEST, Store, StoreWriter, batch_indices, collate,
                              read_shard_header, shard_name)
 
 H, N_AUX = 8, 3

@@ -36,8 +36,9 @@ from draftport.check.layers import validate_aux_ids
 from draftport.data import conversations as data_mod
 from draftport.data.chat import resolve_chat_template, tokenize_conversations
 from draftport.data.conversations import check_data_source, save_conversations
-from draftport.data.store import MANIFEST, StoreWriter, bytes_per_token, clear_store, identity_mismatch
+from draftport.data.store import MANIFEST, StoreWriter, clear_store, identity_mismatch
 from draftport.decode.options import BATCH_ENGINES, BACKENDS, REGEN_ENGINES, REGEN_VLLM
+from draftport.economics import bytes_per_token
 from draftport.errors import DraftportError, bad_input
 from draftport.model.target import load_target
 from draftport.safeio import atomic_write_json, read_json

@@ -51,11 +51,6 @@ _DTYPES = {"I64": (np.int64, 8), "I32": (np.int32, 4), "BF16": (np.uint16, 2), "
 _LAYOUT = (("offsets", "I64"), ("input_ids", "I32"), ("aux", "BF16"), ("last_hidden", "BF16"), ("loss_mask", "U8"))
 
 
-def bytes_per_token(num_aux: int, hidden_size: int) -> int:
-    """Disk bytes per captured token: bf16 aux (n·H) + bf16 last hidden (H) + int32 id + uint8 mask."""
-    return 2 * (num_aux + 1) * hidden_size + 5
-
-
 def _readable(path: str) -> None:
     """mkstemp makes files private (0600); a store is data like any other file, readable per the umask."""
     os.chmod(path, 0o666 & ~_UMASK)
