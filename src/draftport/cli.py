@@ -245,6 +245,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--restart", action="store_true", help="start over instead of resuming")
     p.add_argument("--shard-tokens", type=COUNT, default=None, help="tokens per store shard (default: about 256 MiB per shard)")
     _add_backend(p, "capture and regeneration")
+    p.add_argument("--slice", dest="data_slice", default=None, metavar="K/N",
+                   help="data-parallel capture: only the K-th of N contiguous slices of the samples (K from 0), one "
+                        "store per slice; merge them with `draftport.data.store.merge_stores`")
 
     p = sub.add_parser("train", help="train or fine-tune a drafter (TTT); resumes in the same --out")
     _add_common(p, target=True, data=True, out=True, samples=True, device=True, seed=True, template=True)

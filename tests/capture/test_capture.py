@@ -291,3 +291,37 @@ def test_gemma_270m_capture_matches_forward(tmp_path, gemma_target):
         torch.testing.assert_close(got["aux"].float(), want.aux[0].to(torch.bfloat16).float(), rtol=2 ** -7, atol=1e-3)
         torch.testing.assert_close(got["last_hidden"].float(), want.last_hidden[0].to(torch.bfloat16).float(),
                                    rtol=2 ** -7, atol=1e-3)
+
+
+def test_data_parallel_slices_merge_into_the_whole_store(tmp_path, tiny, data):
+    """Three nodes each capture a slice (--slice K/3) into a store of their own; the merge is the store one node
+    makes of the whole data: same samples in the same order, the same states, one manifest, checksums whole."""
+    from draftport.data.store import merge_stores
+
+    whole = run_capture(make_cfg(tmp_path / "whole", data), target=tiny)
+    parts = [str(tmp_path / f"part{k}") for k in range(3)]
+    for k in (2, 0, 1):  # in any order: each node on its own
+        run_capture(make_cfg(parts[k], data, data_slice=f"{k}/3"), target=tiny)
+    sizes = [len(Store(p)) for p in parts]
+    assert sum(sizes) == whole["num_samples"] and max(sizes) - min(sizes) <= 1
+    with pytest.raises(DraftportError, match="give every slice"):
+        merge_stores(parts[:2], str(tmp_path / "short"))
+    assert not (tmp_path / "short").exists()
+    manifest = merge_stores(list(reversed(parts)), str(tmp_path / "merged"))
+    merged, ref = Store(str(tmp_path / "merged"), verify=True), Store(str(tmp_path / "whole"))
+    assert merged.complete and manifest["num_samples"] == len(ref) and merged.num_tokens == ref.num_tokens
+    assert merged.config["data_sha256"] == ref.config["data_sha256"] and merged.config["data_slice"] is None
+    for i in range(len(ref)):
+        a, b = merged[i], ref[i]
+        assert all(torch.equal(a[k], b[k]) for k in ("input_ids", "loss_mask", "aux", "last_hidden"))
+    # a slice of other data (or another config) is refused, and so is a slice given twice
+    other = write_convs(tmp_path / "other.jsonl", 10, seed=5)
+    run_capture(make_cfg(tmp_path / "other1", other, data_slice="1/3"), target=tiny)
+    with pytest.raises(DraftportError, match="another config"):
+        merge_stores([parts[0], str(tmp_path / "other1"), parts[2]], str(tmp_path / "bad"))
+    with pytest.raises(DraftportError, match="each once"):
+        merge_stores([parts[0], parts[0], parts[2]], str(tmp_path / "bad"))
+    with pytest.raises(DraftportError, match="must be new or empty"):
+        merge_stores(parts, str(tmp_path / "merged"))
+    with pytest.raises(DraftportError, match="need 0 <= K < N"):
+        run_capture(make_cfg(tmp_path / "x", data, data_slice="3/3"), target=tiny)

@@ -54,7 +54,7 @@ REGEN_FILE = "regenerated.jsonl"
 # target loads), the rest are derived from the target and the data
 REGEN_KEYS = ("samples_per_prompt", "max_new_tokens", "temperature", "regen_batch_size", "regen_engine")  # its flags
 REQUEST_KEYS = ("target", "data", "max_samples", "max_len", "chat_template", "regenerate", "seed", "dtype",
-                "backend") + REGEN_KEYS
+                "backend", "data_slice") + REGEN_KEYS
 IDENTITY = REQUEST_KEYS + ("aux_layers", "hidden_size", "shard_tokens", "data_sha256", "expected_samples")
 
 
@@ -85,6 +85,8 @@ class CaptureConfig:
     backend: str = "draftport"         # who runs the target: draftport (HF transformers) | vllm (its engine,
                                        # serving/vllm_capture.py; regeneration through it too)
     tensor_parallel_size: int = 1      # --backend vllm: GPUs the target is split over
+    data_slice: str | None = None      # "K/N": capture only the K-th of N contiguous slices of the samples
+                                       # (data-parallel capture; data/store.merge_stores joins the N stores)
     json: bool = False                 # print the summary as one JSON object on stdout
 
 
@@ -127,8 +129,25 @@ def request_config(cfg: CaptureConfig) -> dict:
             "regen_batch_size": (cfg.regen_batch_size or cfg.batch_size or DEFAULT_BATCH) if cfg.regenerate else None,
             "regen_engine": (REGEN_VLLM if cfg.backend == REGEN_VLLM else cfg.regen_engine) if cfg.regenerate else None,
             "dtype": cfg.dtype or ("bf16" if device.startswith("cuda") else "fp32"),
-            # None for the HF path: a store captured before the key existed resumes
-            "backend": cfg.backend if cfg.backend != "draftport" else None}
+            # None for the HF path and for the whole data: a store captured before the keys existed resumes
+            "backend": cfg.backend if cfg.backend != "draftport" else None,
+            "data_slice": list(parse_slice(cfg.data_slice)) if cfg.data_slice else None}
+
+
+def parse_slice(text: str) -> tuple[int, int]:
+    """'K/N' -> (K, N), 0 <= K < N."""
+    try:
+        k, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise DraftportError(f"--slice {text!r}: expected K/N, e.g. 0/8") from None
+    if not 0 <= k < n:
+        raise DraftportError(f"--slice {text!r}: need 0 <= K < N")
+    return k, n
+
+
+def slice_bounds(num_samples: int, k: int, n: int) -> tuple[int, int]:
+    """Samples [a, b) of slice k of n: contiguous, sizes differ by at most one, in data order."""
+    return num_samples * k // n, num_samples * (k + 1) // n
 
 
 def _refuse_if_different(out: str, request: dict) -> None:
@@ -313,6 +332,8 @@ def run_capture(cfg: CaptureConfig, target=None, console: Console | None = None,
         raise DraftportError("--batch-size, --regen-batch-size and --samples-per-prompt must be at least 1")
     if cfg.regen_engine not in REGEN_ENGINES:
         raise DraftportError(f"--regen-engine {cfg.regen_engine!r}: expected one of {', '.join(REGEN_ENGINES)}")
+    if cfg.data_slice is not None:
+        parse_slice(cfg.data_slice)
     if cfg.backend not in BACKENDS:
         raise DraftportError(f"--backend {cfg.backend!r}: expected one of {', '.join(BACKENDS)}")
     if cfg.shard_tokens is not None and cfg.shard_tokens < 1:
@@ -352,13 +373,19 @@ def run_capture(cfg: CaptureConfig, target=None, console: Console | None = None,
     if not ids:
         raise bad_input(cfg.data, f"no usable samples: all {len(convs)} conversations are empty or have no "
                                   f"assistant tokens within --max-len {max_len}")
+    fingerprint, data_samples = data_fingerprint(ids, masks), len(ids)  # the whole data's, on every slice
+    lo, hi = slice_bounds(len(ids), *request["data_slice"]) if request["data_slice"] else (0, len(ids))
+    if lo == hi:
+        raise bad_input(cfg.data, f"--slice {cfg.data_slice} holds no samples (the data has {len(ids)})")
+    ids, masks = ids[lo:hi], masks[lo:hi]
     lengths = [len(x) for x in ids]
     H, n_aux = int(target.hidden_size), len(aux_layers)
     bpt = bytes_per_token(n_aux, H)
     shard_tokens = cfg.shard_tokens or max(1, SHARD_BYTES // bpt)
     spec = getattr(target, "spec", None)
     config = {**request, "aux_layers": aux_layers, "hidden_size": H, "shard_tokens": shard_tokens,
-              "data_sha256": data_fingerprint(ids, masks), "expected_samples": len(ids),
+              "data_sha256": fingerprint, "expected_samples": len(ids), "data_samples": data_samples,
+              "slice_start": lo, "slice_end": hi,
               "expected_tokens": int(sum(lengths)), "skipped_samples": skipped,
               "num_layers": int(target.num_layers), "vocab_size": int(target.vocab_size),
               "target_architecture": getattr(spec, "architecture", None),

@@ -23,6 +23,7 @@ import json
 import math
 import os
 import re
+import shutil
 import struct
 import tempfile
 import threading
@@ -261,6 +262,76 @@ def clear_store(path: str) -> None:
     if os.path.exists(manifest):
         os.unlink(manifest)
     _remove_garbage(path, keep=set())
+
+
+# ----------------------------------------------------------------------------------------- merging
+
+# config keys that differ between the slices of one data-parallel capture (capture --slice K/N)
+PER_SLICE = ("data_slice", "slice_start", "slice_end", "expected_samples", "expected_tokens", "device")
+
+
+def merge_stores(parts: Sequence[str], out: str) -> dict:
+    """One store from the N slice stores of a data-parallel capture (each node captured `--slice K/N` into its
+    own store): the slices' shards, verified against their sha256 first, hard-linked (copied across
+    filesystems) into `out` in slice order and listed in one manifest. Every slice must be complete and made
+    with the same config on the same data (data_sha256), and together they must cover it: slice 0..N-1, each
+    starting where the previous one ended. A shard's header keeps the range it had in its slice; readers take
+    the range from the manifest. Returns the manifest."""
+    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
+        raise bad_input(out, "the merged store's folder must be new or empty")
+    stores = [Store(p, verify=True) for p in parts]
+    if not stores:
+        raise DraftportError("nothing to merge")
+    for st in stores:
+        if not st.complete:
+            raise bad_input(st.path, "this slice's capture is not complete: finish it (rerun the same command) first")
+        if not isinstance(st.config.get("data_slice"), list):
+            raise bad_input(st.path, "not a slice of a data-parallel capture (captured without --slice)")
+    stores.sort(key=lambda st: st.config["data_slice"][0])
+    first = stores[0].config
+    n = first["data_slice"][1]
+    for k, st in enumerate(stores):
+        cfg = st.config
+        differ = sorted(key for key in set(cfg) | set(first) if key not in PER_SLICE and cfg.get(key) != first.get(key))
+        if differ:
+            raise bad_input(st.path, f"captured with another config than {stores[0].path} ({', '.join(differ)})")
+        if cfg["data_slice"] != [k, n]:
+            raise bad_input(st.path, f"holds slice {cfg['data_slice'][0]}/{cfg['data_slice'][1]}; a merge of "
+                                     f"{len(stores)} slices needs slices 0/{n} … {n - 1}/{n}, each once")
+        start = stores[k - 1].config["slice_end"] if k else 0
+        if cfg["slice_start"] != start:
+            raise bad_input(st.path, f"starts at sample {cfg['slice_start']}, not where the slice before ends ({start})")
+    if len(stores) != n or stores[-1].config["slice_end"] != first.get("data_samples"):
+        raise DraftportError(f"{len(stores)} slices of {n} cover samples [0, {stores[-1].config['slice_end']}) of "
+                             f"{first.get('data_samples')}: give every slice")
+    os.makedirs(out, exist_ok=True)
+    shards, pos = [], 0
+    try:
+        for st in stores:
+            for entry in st.manifest["shards"]:
+                name = shard_name(len(shards))
+                src, dst = os.path.join(st.path, entry["file"]), os.path.join(out, name)
+                try:
+                    os.link(src, dst)
+                except OSError:  # another filesystem (or none that links): a copy, checked below like a link
+                    shutil.copyfile(src, dst)
+                size = entry["end"] - entry["start"]
+                shards.append({**entry, "file": name, "start": pos, "end": pos + size})
+                pos += size
+        config = {**first, "data_slice": None, "slice_start": 0, "slice_end": pos, "expected_samples": pos,
+                  "expected_tokens": sum(st.config.get("expected_tokens", 0) for st in stores),
+                  "merged_from": [os.path.abspath(st.path) for st in stores]}
+        manifest = {"format": FORMAT, "version": VERSION, "num_samples": pos,
+                    "num_tokens": sum(sh["num_tokens"] for sh in shards), "complete": True, "shards": shards,
+                    "config": config}
+        _check_manifest(manifest, out)
+        atomic_write_json(os.path.join(out, MANIFEST), manifest)
+        _readable(os.path.join(out, MANIFEST))
+        Store(out, verify=True)
+    except BaseException:
+        shutil.rmtree(out, ignore_errors=True)  # no half-merged store left behind
+        raise
+    return manifest
 
 
 # ----------------------------------------------------------------------------------------- reading
