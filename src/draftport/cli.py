@@ -281,6 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also publish the drafter at these training-token counts, e.g. 500k,2M,20M "
                         "(<out>/at-tokens/<N>/, kept: a learning curve from one run)")
     _add_regen(p, batch_default="8")
+    _add_backend(p, "regeneration (training runs the HF target)")
     p.add_argument("--max-nonfinite-steps", type=NON_NEGATIVE, default=5,
                    help="NaN/Inf loss steps are skipped; this many in a row stop the run (exit 2)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,

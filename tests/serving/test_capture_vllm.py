@@ -154,3 +154,76 @@ def test_sigkill_mid_capture_resumes_to_the_same_store(cap, vllm_store, tmp_path
     assert json.loads(stdout)["resumed_from_sample"] == partial[-1][2]
     assert shard_table(out) == full
     assert_same_store(Store(str(out), verify=True), Store(vllm_store[0], verify=True))
+
+
+def losses(run: str) -> list[float]:
+    return [json.loads(line)["loss"] for line in open(os.path.join(run, "metrics.jsonl")) if '"loss"' in line]
+
+
+def test_a_drafter_trained_from_the_vllm_store_learns_the_same_curve(cap, vllm_store):
+    """Same seed, same steps: the drafter trained from the vLLM store and the one trained from the HF store take
+    the same loss at every step (within the bf16 noise of their states: far below what a step changes)."""
+    from draftport.model.target import load_target
+    from draftport.train.config import TrainConfig
+    from draftport.train.loop import run_train
+    from rich.console import Console
+
+    target = load_target(cap["target"], device="cpu", dtype="fp32")
+    curves = {}
+    for name, store in (("hf", cap["hf"]), ("vllm", vllm_store[0])):
+        run = str(cap["root"] / f"train-{name}")
+        run_train(TrainConfig(target=cap["target"], data=store, out=run, batch_size=4, ttt_steps=2, steps=30,
+                              lr=3e-3, device="cpu", val_every=0, val_fraction=0.1, seed=3),
+                  target=target, console=Console(stderr=True, quiet=True))
+        curves[name] = losses(run)
+    hf, ours = np.array(curves["hf"]), np.array(curves["vllm"])
+    assert len(hf) == len(ours) == 30
+    assert hf[-5:].mean() < hf[:5].mean() - 0.5  # it learns: the curve is not flat
+    np.testing.assert_allclose(ours, hf, rtol=5e-3)
+    assert np.abs(ours - hf).max() < 0.05 * np.abs(np.diff(hf)).max()  # the noise is far below a step's change
+
+
+def test_regeneration_through_vllm(cap, tmp_path):
+    """capture --regenerate --backend vllm: vLLM writes the answers (greedy: the HF path's text on this target;
+    sampled: several different ones a prompt) and they go through the same chat template and loss mask; train
+    --regenerate --backend vllm writes the same text."""
+    from draftport.data.chat import tokenize_conversations
+    from draftport.data.conversations import load_conversations
+    from draftport.model.target import load_target
+    from draftport.train.config import TrainConfig
+    from draftport.train.loop import run_train
+    from rich.console import Console
+
+    kw = dict(regenerate=True, max_samples=8, max_new_tokens=12, batch_size=4)
+    out, ref = str(tmp_path / "regen"), str(tmp_path / "regen-hf")
+    vllm_capture(make_cfg(cap["target"], cap["data"], out, **kw))
+    target = load_target(cap["target"], device="cpu", dtype="fp32")
+    run_capture(make_cfg(cap["target"], cap["data"], ref, backend="draftport", regen_engine="hf", **kw), target=target)
+    ours = load_conversations(os.path.join(out, "regenerated.jsonl"))
+    theirs = load_conversations(os.path.join(ref, "regenerated.jsonl"))
+    assert [c.id for c in ours] == [c.id for c in theirs]
+    same = [a.messages == b.messages for a, b in zip(ours, theirs)]
+    assert sum(same) >= 0.75 * len(same), same  # fp32 on both sides: only a near-tie may turn a greedy answer
+    store = Store(out, verify=True)
+    assert store.config["regen_engine"] == "vllm"
+    want = [(list(x), list(m)) for x, m in tokenize_conversations(target.tokenizer, ours, max_len=MAX_LEN)
+            if np.asarray(m).any()]
+    assert len(want) == len(store)
+    for i, (x, m) in enumerate(want):
+        assert store[i]["input_ids"].tolist() == x and store[i]["loss_mask"].tolist() == [bool(v) for v in m]
+    # sampled: two answers a prompt, mostly different
+    two = str(tmp_path / "two")
+    vllm_capture(make_cfg(cap["target"], cap["data"], two, **{**kw, "max_samples": 4}, samples_per_prompt=2,
+                          temperature=1.0))
+    convs = load_conversations(os.path.join(two, "regenerated.jsonl"))
+    assert [c.id.split("#")[1] for c in convs] == ["0", "1"] * (len(convs) // 2)
+    assert sum(a.messages != b.messages for a, b in zip(convs[::2], convs[1::2])) >= 2
+    # train --regenerate --backend vllm: the same engine and text as capture's, then training on it
+    run = str(tmp_path / "train")
+    run_train(TrainConfig(target=cap["target"], data=cap["data"], out=run, regenerate=True, backend="vllm",
+                          max_samples=8, max_new_tokens=12, regen_batch_size=4, max_len=MAX_LEN, batch_size=4,
+                          ttt_steps=1, steps=2, device="cpu", val_every=0, val_fraction=0.25),
+              target=target, console=Console(stderr=True, quiet=True))
+    trained_on = load_conversations(os.path.join(run, "regenerated.jsonl"))
+    assert [c.messages for c in trained_on] == [c.messages for c in ours]
+    assert len(losses(run)) == 2
