@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from draftport.check.layers import validate_aux_ids
 from draftport.decode.options import BACKENDS, NATIVE_COMPILE, REGEN_ENGINES, SDPA_CHOICES, TARGET_PASSES
+from draftport.economics import STATE_BYTES
 from draftport.errors import DraftportError, is_disk_full, report
 from draftport.safeio import FAILED_FILE, clean_failed_out, default_out
 from draftport.train.config import parse_token_counts
@@ -248,6 +249,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--slice", dest="data_slice", default=None, metavar="K/N",
                    help="data-parallel capture: only the K-th of N contiguous slices of the samples (K from 0), one "
                         "store per slice; merge them with `draftport.data.store.merge_stores`")
+    p.add_argument("--store-dtype", choices=list(STATE_BYTES), default="bf16",
+                   help="how the states are stored: bf16 (default) or fp8 (e4m3 with an fp32 scale per token and "
+                        "state: half the disk, read back as bf16; `draftport economics --hidden-size` prices both)")
 
     p = sub.add_parser("train", help="train or fine-tune a drafter (TTT); resumes in the same --out")
     _add_common(p, target=True, data=True, out=True, samples=True, device=True, seed=True, template=True)

@@ -126,6 +126,12 @@ def bytes_per_token(num_aux: int, hidden_size: int, storage: str = "bf16") -> in
     return STATE_BYTES[storage] * states * hidden_size + scales + TOKEN_BYTES
 
 
+def bytes_per_token_sum(num_aux: int, hidden_size: int, storage: str = "bf16") -> str:
+    """bytes_per_token's sum spelled out, e.g. '2·(3+1)·7168 + 5' (bf16), '1·(3+1)·7168 + 4·(3+1) + 5' (fp8)."""
+    scales = f" + {FP8_SCALE_BYTES}·({num_aux}+1)" if storage == "fp8" else ""
+    return f"{STATE_BYTES[storage]}·({num_aux}+1)·{hidden_size}{scales} + {TOKEN_BYTES}"
+
+
 def store_bytes(num_samples: int, tokens_per_sample: float, num_aux: int, hidden_size: int,
                 storage: str = "bf16") -> float:
     """A store of num_samples samples of tokens_per_sample tokens each (shard headers are a few hundred bytes

@@ -325,3 +325,56 @@ def test_data_parallel_slices_merge_into_the_whole_store(tmp_path, tiny, data):
         merge_stores(parts, str(tmp_path / "merged"))
     with pytest.raises(DraftportError, match="need 0 <= K < N"):
         run_capture(make_cfg(tmp_path / "x", data, data_slice="3/3"), target=tiny)
+
+
+def test_fp8_store_killed_then_rerun_equals_uninterrupted(tmp_path, data, tiny):
+    """capture --store-dtype fp8: the states are the bf16 store's, quantised (data/store.quantize_fp8), in half the
+    state bytes; a killed capture rerun gives the same shards; switching dtype on a resume is refused."""
+    from draftport.data.store import dequantize_fp8, quantize_fp8
+
+    run_capture(make_cfg(tmp_path / "bf16", data, batch_size=2), target=tiny)
+    fresh = tmp_path / "fresh"
+    summary = run_capture(make_cfg(fresh, data, batch_size=2, store_dtype="fp8"), target=tiny)
+    ref, fp8 = Store(str(tmp_path / "bf16")), Store(str(fresh), verify=True)
+    assert fp8.storage == "fp8" and summary["storage_dtype"] == "fp8" and len(fp8) == len(ref)
+    assert summary["bytes_per_token"] == (len(tiny.aux_layers) + 1) * (tiny.hidden_size + 4) + 5
+    for i in range(len(ref)):
+        assert torch.equal(fp8[i]["input_ids"], ref[i]["input_ids"])
+        for key in ("aux", "last_hidden"):
+            x = ref[i][key]
+            states = x.shape[1] // tiny.hidden_size
+            assert torch.equal(fp8[i][key], dequantize_fp8(*quantize_fp8(x, states)))
+    out = tmp_path / "killed"
+    with pytest.raises(KeyboardInterrupt):
+        run_capture(make_cfg(out, data, batch_size=2, store_dtype="fp8"), target=DiesAfter(tiny, calls=4))
+    partial = shard_table(out)
+    assert 0 < len(partial) < len(shard_table(fresh))
+    with pytest.raises(DraftportError, match="storage_dtype") as exc:  # before the target runs again
+        run_capture(make_cfg(out, data, batch_size=2), target=DiesAfter(tiny, calls=0))
+    assert "--restart" in str(exc.value) and "\n" not in str(exc.value)
+    resumed = run_capture(make_cfg(out, data, batch_size=2, store_dtype="fp8"), target=tiny)
+    assert resumed["resumed_from_sample"] == partial[-1][2]
+    assert shard_table(out) == shard_table(fresh)  # same samples, same ranges, same bytes
+
+
+def test_store_dtype_flag_and_mixed_slices(tmp_path, data, tiny, capsys):
+    from draftport.data.store import merge_stores
+
+    with pytest.raises(SystemExit) as exc:  # the parser's exit, as `draftport` run from a shell gives it
+        cli.main(["capture", "--target", "tiny-llama", "--data", data, "--out", str(tmp_path / "x"),
+                  "--store-dtype", "fp16"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exc.value.code == 2 and len(err) == 1 and "--store-dtype" in err[0] and "fp16" in err[0]
+    assert not (tmp_path / "x").exists()
+    with pytest.raises(DraftportError, match="--store-dtype 'int8'"):
+        run_capture(make_cfg(tmp_path / "y", data, store_dtype="int8"), target=tiny)
+    assert not (tmp_path / "y").exists()
+    parts = [str(tmp_path / f"part{k}") for k in range(2)]
+    for k, storage in enumerate(("bf16", "fp8")):
+        run_capture(make_cfg(parts[k], data, data_slice=f"{k}/2", store_dtype=storage), target=tiny)
+    with pytest.raises(DraftportError, match="share --store-dtype") as exc:
+        merge_stores(parts, str(tmp_path / "merged"))
+    assert "\n" not in str(exc.value) and not (tmp_path / "merged").exists()
+    run_capture(make_cfg(parts[0], data, data_slice="0/2", store_dtype="fp8", restart=True), target=tiny)
+    merged = merge_stores(parts, str(tmp_path / "merged"))
+    assert merged["version"] == 2 and Store(str(tmp_path / "merged"), verify=True).storage == "fp8"

@@ -115,6 +115,24 @@ def test_vllm_aux_ids_and_the_final_layer(cap, tmp_path):
     torch.testing.assert_close(s["aux"][:, -a.hidden_size:], s["last_hidden"])  # id 8 = L: the final-normed state
 
 
+def test_vllm_writes_the_fp8_store(cap, tmp_path):
+    """--store-dtype fp8 through vLLM: the same writer quantises vLLM's states, so the store is the HF path's fp8
+    store within the two paths' fp32 noise and one e4m3 rounding (2^-4 of an element, 2^-18 of its state's max)."""
+    out, ref = str(tmp_path / "fp8"), str(tmp_path / "fp8-hf")
+    run_capture(make_cfg(cap["target"], cap["data"], ref, backend="draftport", store_dtype="fp8", max_samples=6))
+    summary = vllm_capture(make_cfg(cap["target"], cap["data"], out, store_dtype="fp8", max_samples=6))
+    a, b = Store(out, verify=True), Store(ref, verify=True)
+    assert a.storage == b.storage == "fp8" and summary["storage_dtype"] == "fp8"
+    assert json.load(open(os.path.join(out, MANIFEST)))["version"] == 2
+    assert len(a) == len(b) == 6
+    for i in range(len(a)):
+        x, y = a[i], b[i]
+        assert torch.equal(x["input_ids"], y["input_ids"]) and torch.equal(x["loss_mask"], y["loss_mask"])
+        for key in ("aux", "last_hidden"):
+            want = y[key].float()
+            torch.testing.assert_close(x[key].float(), want, rtol=2 ** -3, atol=0.01 * float(want.pow(2).mean().sqrt()))
+
+
 def _cli(target, data, out, env=None):
     cmd = [sys.executable, "-m", "draftport", "capture", "--backend", "vllm", "--target", target, "--data", data,
            "--out", str(out), "--max-len", str(MAX_LEN), "--shard-tokens", str(SHARD_TOKENS), "--dtype", "fp32",

@@ -36,9 +36,9 @@ from draftport.check.layers import validate_aux_ids
 from draftport.data import conversations as data_mod
 from draftport.data.chat import resolve_chat_template, tokenize_conversations
 from draftport.data.conversations import check_data_source, save_conversations
-from draftport.data.store import MANIFEST, StoreWriter, clear_store, identity_mismatch
+from draftport.data.store import MANIFEST, STORE_DTYPES, StoreWriter, clear_store, identity_mismatch
 from draftport.decode.options import BATCH_ENGINES, BACKENDS, REGEN_ENGINES, REGEN_VLLM
-from draftport.economics import bytes_per_token
+from draftport.economics import bytes_per_token, bytes_per_token_sum
 from draftport.errors import DraftportError, bad_input
 from draftport.model.target import load_target
 from draftport.safeio import atomic_write_json, read_json
@@ -55,7 +55,9 @@ REGEN_FILE = "regenerated.jsonl"
 REGEN_KEYS = ("samples_per_prompt", "max_new_tokens", "temperature", "regen_batch_size", "regen_engine")  # its flags
 REQUEST_KEYS = ("target", "data", "max_samples", "max_len", "chat_template", "regenerate", "seed", "dtype",
                 "backend", "data_slice") + REGEN_KEYS
-IDENTITY = REQUEST_KEYS + ("aux_layers", "hidden_size", "shard_tokens", "data_sha256", "expected_samples")
+# the store's own request keys: how the states are written decides nothing in the regenerated text
+STORE_KEYS = REQUEST_KEYS + ("storage_dtype",)
+IDENTITY = STORE_KEYS + ("aux_layers", "hidden_size", "shard_tokens", "data_sha256", "expected_samples")
 
 
 @dataclass
@@ -87,6 +89,8 @@ class CaptureConfig:
     tensor_parallel_size: int = 1      # --backend vllm: GPUs the target is split over
     data_slice: str | None = None      # "K/N": capture only the K-th of N contiguous slices of the samples
                                        # (data-parallel capture; data/store.merge_stores joins the N stores)
+    store_dtype: str = "bf16"          # how the states are stored: bf16 | fp8 (e4m3 + an fp32 scale per token and
+                                       # state: half the disk; data/store.py's docstring)
     json: bool = False                 # print the summary as one JSON object on stdout
 
 
@@ -131,7 +135,8 @@ def request_config(cfg: CaptureConfig) -> dict:
             "dtype": cfg.dtype or ("bf16" if device.startswith("cuda") else "fp32"),
             # None for the HF path and for the whole data: a store captured before the keys existed resumes
             "backend": cfg.backend if cfg.backend != "draftport" else None,
-            "data_slice": list(parse_slice(cfg.data_slice)) if cfg.data_slice else None}
+            "data_slice": list(parse_slice(cfg.data_slice)) if cfg.data_slice else None,
+            "storage_dtype": cfg.store_dtype}
 
 
 def parse_slice(text: str) -> tuple[int, int]:
@@ -154,7 +159,7 @@ def _refuse_if_different(out: str, request: dict) -> None:
     mpath = os.path.join(out, MANIFEST)
     if os.path.exists(mpath):
         old = read_json(mpath).get("config")
-        mismatch = identity_mismatch(old if isinstance(old, dict) else {}, request, REQUEST_KEYS)
+        mismatch = identity_mismatch(old if isinstance(old, dict) else {}, request, STORE_KEYS)
         if mismatch:
             raise DraftportError(f"holds a capture made with a different config ({mismatch}); "
                                  "rerun with --restart to start over, or use another --out", out)
@@ -336,6 +341,8 @@ def run_capture(cfg: CaptureConfig, target=None, console: Console | None = None,
         parse_slice(cfg.data_slice)
     if cfg.backend not in BACKENDS:
         raise DraftportError(f"--backend {cfg.backend!r}: expected one of {', '.join(BACKENDS)}")
+    if cfg.store_dtype not in STORE_DTYPES:
+        raise DraftportError(f"--store-dtype {cfg.store_dtype!r}: expected one of {', '.join(STORE_DTYPES)}")
     if cfg.shard_tokens is not None and cfg.shard_tokens < 1:
         raise DraftportError(f"--shard-tokens must be at least 1, got {cfg.shard_tokens}")
     out = cfg.out
@@ -380,7 +387,7 @@ def run_capture(cfg: CaptureConfig, target=None, console: Console | None = None,
     ids, masks = ids[lo:hi], masks[lo:hi]
     lengths = [len(x) for x in ids]
     H, n_aux = int(target.hidden_size), len(aux_layers)
-    bpt = bytes_per_token(n_aux, H)
+    bpt = bytes_per_token(n_aux, H, cfg.store_dtype)
     shard_tokens = cfg.shard_tokens or max(1, SHARD_BYTES // bpt)
     spec = getattr(target, "spec", None)
     config = {**request, "aux_layers": aux_layers, "hidden_size": H, "shard_tokens": shard_tokens,
@@ -389,7 +396,7 @@ def run_capture(cfg: CaptureConfig, target=None, console: Console | None = None,
               "expected_tokens": int(sum(lengths)), "skipped_samples": skipped,
               "num_layers": int(target.num_layers), "vocab_size": int(target.vocab_size),
               "target_architecture": getattr(spec, "architecture", None),
-              "target_model_type": getattr(spec, "model_type", None), "storage_dtype": "bf16",
+              "target_model_type": getattr(spec, "model_type", None),
               "chat_template_resolved": template_name,
               "batch_size": cfg.batch_size or DEFAULT_BATCH, "device": str(target.device)}
     writer = StoreWriter(out, config, identity=IDENTITY)
@@ -402,8 +409,9 @@ def run_capture(cfg: CaptureConfig, target=None, console: Console | None = None,
     total, remaining = int(sum(lengths)), int(sum(lengths[writer.num_samples:]))
     if skipped:
         console.print(f"skipped {skipped} conversations with no assistant tokens within {max_len} tokens")
-    console.print(f"capture: {len(ids):,} samples, {total:,} tokens × {bpt:,} bytes/token "
-                  f"(2·({n_aux}+1)·{H} + 5) ≈ {human_bytes(total * bpt)} on disk, in {len(plan)} shards"
+    console.print(f"capture: {len(ids):,} samples, {total:,} tokens × {bpt:,} bytes/token {cfg.store_dtype} "
+                  f"({bytes_per_token_sum(n_aux, H, cfg.store_dtype)}) ≈ {human_bytes(total * bpt)} on disk, "
+                  f"in {len(plan)} shards"
                   + (f"; resuming at sample {writer.num_samples:,} ({remaining:,} tokens to go)"
                      if writer.num_samples else ""))
     if not todo:
@@ -440,7 +448,7 @@ def run_capture(cfg: CaptureConfig, target=None, console: Console | None = None,
                "tokens_per_s": done / seconds if seconds > 0 and done else 0.0, "seconds": seconds,
                "captured_tokens": done, "resumed_from_sample": writer.resumed_samples,
                "num_shards": len(writer.shards), "skipped_samples": skipped, "aux_layers": aux_layers,
-               "bytes_per_token": bpt, "complete": True}
+               "bytes_per_token": bpt, "storage_dtype": cfg.store_dtype, "complete": True}
     atomic_write_json(os.path.join(out, "summary.json"), summary)
     console.print(f"captured {summary['num_samples']:,} samples, {summary['num_tokens']:,} tokens "
                   f"({done:,} this run at {summary['tokens_per_s']:,.0f} tok/s), "

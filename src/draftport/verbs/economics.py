@@ -169,7 +169,8 @@ def render_store(plan: dict) -> None:
     bpt = plan["bytes_per_token"]
     t = Table(title=f"capture store (hidden {plan['hidden_size']}, {plan['aux_count']} aux layers + final; "
                     f"{bpt['bf16']:,} B/token bf16, {bpt['fp8']:,} B/token fp8)",
-              caption="fp8: one fp32 scale per token and state; online: no store, the target runs again every epoch "
+              caption="fp8: `capture --store-dtype fp8`, e4m3 with one fp32 scale per token and state; online: no "
+                      "store, the target runs again every epoch "
                       f"({plan['online_target_passes']} target passes over the data for {plan['epochs']} epochs, "
                       "against 1 for a store)")
     for col in ("samples", "tokens", "bf16 store", "fp8 store", "what fits"):
