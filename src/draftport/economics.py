@@ -107,3 +107,47 @@ def chain_depth_table(per_position: list[float], decode_ms: float, verify_ms: fl
 def min_depth_for(tau: float) -> int:
     """The shortest chain that can reach τ at all (k + 1 ≥ τ, i.e. with every draft accepted)."""
     return max(0, math.ceil(tau - 1.0))
+
+
+# ---------------------------------------------------------------------------------------------
+# The capture store: how many bytes a captured token takes, what a data set needs on disk, and what follows
+# (a bf16 store, an fp8 one, or no store at all: the target's states streamed into training).
+
+STATE_BYTES = {"bf16": 2, "fp8": 1}   # bytes per hidden-state element, by storage dtype
+TOKEN_BYTES = 5                       # int32 id + uint8 loss mask
+FP8_SCALE_BYTES = 4                   # fp8: one fp32 scale per token and state (a state's range is its own)
+
+
+def bytes_per_token(num_aux: int, hidden_size: int, storage: str = "bf16") -> int:
+    """Disk bytes per captured token: the aux states (n·H) and the final state (H) at the storage dtype, the
+    token's id and mask, and (fp8) a scale per state."""
+    states = num_aux + 1
+    scales = states * FP8_SCALE_BYTES if storage == "fp8" else 0
+    return STATE_BYTES[storage] * states * hidden_size + scales + TOKEN_BYTES
+
+
+def bytes_per_token_sum(num_aux: int, hidden_size: int, storage: str = "bf16") -> str:
+    """bytes_per_token's sum spelled out, e.g. '2·(3+1)·7168 + 5' (bf16), '1·(3+1)·7168 + 4·(3+1) + 5' (fp8)."""
+    scales = f" + {FP8_SCALE_BYTES}·({num_aux}+1)" if storage == "fp8" else ""
+    return f"{STATE_BYTES[storage]}·({num_aux}+1)·{hidden_size}{scales} + {TOKEN_BYTES}"
+
+
+def store_bytes(num_samples: int, tokens_per_sample: float, num_aux: int, hidden_size: int,
+                storage: str = "bf16") -> float:
+    """A store of num_samples samples of tokens_per_sample tokens each (shard headers are a few hundred bytes
+    a shard: left out)."""
+    return num_samples * tokens_per_sample * bytes_per_token(num_aux, hidden_size, storage)
+
+
+def capture_choice(bf16_bytes: float, fp8_bytes: float, disk_bytes: float | None) -> str:
+    """What the disk allows: a bf16 store when it fits, else an fp8 one when that fits, else none ("online": the
+    target's states streamed into training, computed again every epoch). No disk given: bf16."""
+    if disk_bytes is None or bf16_bytes <= disk_bytes:
+        return "bf16"
+    return "fp8" if fp8_bytes <= disk_bytes else "online"
+
+
+def online_target_passes(epochs: int) -> int:
+    """Target forward passes over the data per training run: a store pays one (the capture), the online path
+    one per epoch."""
+    return epochs

@@ -291,3 +291,90 @@ def test_gemma_270m_capture_matches_forward(tmp_path, gemma_target):
         torch.testing.assert_close(got["aux"].float(), want.aux[0].to(torch.bfloat16).float(), rtol=2 ** -7, atol=1e-3)
         torch.testing.assert_close(got["last_hidden"].float(), want.last_hidden[0].to(torch.bfloat16).float(),
                                    rtol=2 ** -7, atol=1e-3)
+
+
+def test_data_parallel_slices_merge_into_the_whole_store(tmp_path, tiny, data):
+    """Three nodes each capture a slice (--slice K/3) into a store of their own; the merge is the store one node
+    makes of the whole data: same samples in the same order, the same states, one manifest, checksums whole."""
+    from draftport.data.store import merge_stores
+
+    whole = run_capture(make_cfg(tmp_path / "whole", data), target=tiny)
+    parts = [str(tmp_path / f"part{k}") for k in range(3)]
+    for k in (2, 0, 1):  # in any order: each node on its own
+        run_capture(make_cfg(parts[k], data, data_slice=f"{k}/3"), target=tiny)
+    sizes = [len(Store(p)) for p in parts]
+    assert sum(sizes) == whole["num_samples"] and max(sizes) - min(sizes) <= 1
+    with pytest.raises(DraftportError, match="give every slice"):
+        merge_stores(parts[:2], str(tmp_path / "short"))
+    assert not (tmp_path / "short").exists()
+    manifest = merge_stores(list(reversed(parts)), str(tmp_path / "merged"))
+    merged, ref = Store(str(tmp_path / "merged"), verify=True), Store(str(tmp_path / "whole"))
+    assert merged.complete and manifest["num_samples"] == len(ref) and merged.num_tokens == ref.num_tokens
+    assert merged.config["data_sha256"] == ref.config["data_sha256"] and merged.config["data_slice"] is None
+    for i in range(len(ref)):
+        a, b = merged[i], ref[i]
+        assert all(torch.equal(a[k], b[k]) for k in ("input_ids", "loss_mask", "aux", "last_hidden"))
+    # a slice of other data (or another config) is refused, and so is a slice given twice
+    other = write_convs(tmp_path / "other.jsonl", 10, seed=5)
+    run_capture(make_cfg(tmp_path / "other1", other, data_slice="1/3"), target=tiny)
+    with pytest.raises(DraftportError, match="another config"):
+        merge_stores([parts[0], str(tmp_path / "other1"), parts[2]], str(tmp_path / "bad"))
+    with pytest.raises(DraftportError, match="each once"):
+        merge_stores([parts[0], parts[0], parts[2]], str(tmp_path / "bad"))
+    with pytest.raises(DraftportError, match="must be new or empty"):
+        merge_stores(parts, str(tmp_path / "merged"))
+    with pytest.raises(DraftportError, match="need 0 <= K < N"):
+        run_capture(make_cfg(tmp_path / "x", data, data_slice="3/3"), target=tiny)
+
+
+def test_fp8_store_killed_then_rerun_equals_uninterrupted(tmp_path, data, tiny):
+    """capture --store-dtype fp8: the states are the bf16 store's, quantised (data/store.quantize_fp8), in half the
+    state bytes; a killed capture rerun gives the same shards; switching dtype on a resume is refused."""
+    from draftport.data.store import dequantize_fp8, quantize_fp8
+
+    run_capture(make_cfg(tmp_path / "bf16", data, batch_size=2), target=tiny)
+    fresh = tmp_path / "fresh"
+    summary = run_capture(make_cfg(fresh, data, batch_size=2, store_dtype="fp8"), target=tiny)
+    ref, fp8 = Store(str(tmp_path / "bf16")), Store(str(fresh), verify=True)
+    assert fp8.storage == "fp8" and summary["storage_dtype"] == "fp8" and len(fp8) == len(ref)
+    assert summary["bytes_per_token"] == (len(tiny.aux_layers) + 1) * (tiny.hidden_size + 4) + 5
+    for i in range(len(ref)):
+        assert torch.equal(fp8[i]["input_ids"], ref[i]["input_ids"])
+        for key in ("aux", "last_hidden"):
+            x = ref[i][key]
+            states = x.shape[1] // tiny.hidden_size
+            assert torch.equal(fp8[i][key], dequantize_fp8(*quantize_fp8(x, states)))
+    out = tmp_path / "killed"
+    with pytest.raises(KeyboardInterrupt):
+        run_capture(make_cfg(out, data, batch_size=2, store_dtype="fp8"), target=DiesAfter(tiny, calls=4))
+    partial = shard_table(out)
+    assert 0 < len(partial) < len(shard_table(fresh))
+    with pytest.raises(DraftportError, match="storage_dtype") as exc:  # before the target runs again
+        run_capture(make_cfg(out, data, batch_size=2), target=DiesAfter(tiny, calls=0))
+    assert "--restart" in str(exc.value) and "\n" not in str(exc.value)
+    resumed = run_capture(make_cfg(out, data, batch_size=2, store_dtype="fp8"), target=tiny)
+    assert resumed["resumed_from_sample"] == partial[-1][2]
+    assert shard_table(out) == shard_table(fresh)  # same samples, same ranges, same bytes
+
+
+def test_store_dtype_flag_and_mixed_slices(tmp_path, data, tiny, capsys):
+    from draftport.data.store import merge_stores
+
+    with pytest.raises(SystemExit) as exc:  # the parser's exit, as `draftport` run from a shell gives it
+        cli.main(["capture", "--target", "tiny-llama", "--data", data, "--out", str(tmp_path / "x"),
+                  "--store-dtype", "fp16"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exc.value.code == 2 and len(err) == 1 and "--store-dtype" in err[0] and "fp16" in err[0]
+    assert not (tmp_path / "x").exists()
+    with pytest.raises(DraftportError, match="--store-dtype 'int8'"):
+        run_capture(make_cfg(tmp_path / "y", data, store_dtype="int8"), target=tiny)
+    assert not (tmp_path / "y").exists()
+    parts = [str(tmp_path / f"part{k}") for k in range(2)]
+    for k, storage in enumerate(("bf16", "fp8")):
+        run_capture(make_cfg(parts[k], data, data_slice=f"{k}/2", store_dtype=storage), target=tiny)
+    with pytest.raises(DraftportError, match="share --store-dtype") as exc:
+        merge_stores(parts, str(tmp_path / "merged"))
+    assert "\n" not in str(exc.value) and not (tmp_path / "merged").exists()
+    run_capture(make_cfg(parts[0], data, data_slice="0/2", store_dtype="fp8", restart=True), target=tiny)
+    merged = merge_stores(parts, str(tmp_path / "merged"))
+    assert merged["version"] == 2 and Store(str(tmp_path / "merged"), verify=True).storage == "fp8"

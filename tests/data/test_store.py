@@ -14,8 +14,9 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file
 
 from draftport.errors import DraftportError
-from draftport.data.store import (MANIFEST, Store, StoreWriter, batch_indices, bytes_per_token, collate,
-                             read_shard_header, shard_name)
+from draftport.economics import bytes_per_token
+from draftport.data.store import (MANIFEST, Store, StoreWriter, batch_indices, collate, dequantize_fp8,
+                                  quantize_fp8, read_shard_header, shard_name)
 
 H, N_AUX = 8, 3
 CONFIG = {"target": "tiny", "hidden_size": H, "aux_layers": [1, 2, 3], "seed": 0}
@@ -252,10 +253,10 @@ def test_parallel_writes_commit_in_order(tmp_path, monkeypatch):
     gate = threading.Event()
     real_write = store_mod.write_shard
 
-    def first_shard_waits(path, shard_samples, start):
+    def first_shard_waits(path, shard_samples, start, *storage):
         if start == 0:
             assert gate.wait(30)
-        return real_write(path, shard_samples, start)
+        return real_write(path, shard_samples, start, *storage)
 
     monkeypatch.setattr(store_mod, "write_shard", first_shard_waits)
     w = StoreWriter(str(tmp_path), CONFIG, max_in_flight=3)
@@ -277,10 +278,10 @@ def test_failed_write_commits_nothing_after_it(tmp_path, monkeypatch):
 
     real_write = store_mod.write_shard
 
-    def disk_full_at_shard_1(path, shard_samples, start):
+    def disk_full_at_shard_1(path, shard_samples, start, *storage):
         if start == 3:
             raise OSError("No space left on device")
-        return real_write(path, shard_samples, start)
+        return real_write(path, shard_samples, start, *storage)
 
     monkeypatch.setattr(store_mod, "write_shard", disk_full_at_shard_1)
     samples = make_samples(9)
@@ -295,3 +296,137 @@ def test_failed_write_commits_nothing_after_it(tmp_path, monkeypatch):
     monkeypatch.setattr(store_mod, "write_shard", real_write)
     w = StoreWriter(str(tmp_path), CONFIG)  # the resume deletes shard 2, written but never committed
     assert not (tmp_path / shard_name(2)).exists() and w.num_samples == 3
+
+
+# ----------------------------------------------------------------------------------------- the fp8 store
+
+FP8 = {**CONFIG, "storage_dtype": "fp8"}
+
+
+def wide_samples(n: int, seed: int = 0) -> list[dict]:
+    """make_samples with each token's each state at its own scale (1e-4 … 1e4), one token all zero and one
+    state spanning six orders of magnitude: the per-token, per-state scales must each do their job."""
+    g = torch.Generator().manual_seed(seed)
+    out = make_samples(n, seed)
+    for s in out:
+        t = s["aux"].shape[0]
+        mag = 10.0 ** (torch.rand(t, N_AUX, 1, generator=g) * 8 - 4)
+        s["aux"] = (s["aux"].float().view(t, N_AUX, H) * mag).view(t, N_AUX * H).to(torch.bfloat16)
+        s["last_hidden"] = (s["last_hidden"].float() * 10.0 ** (torch.rand(t, 1, generator=g) * 8 - 4)).to(torch.bfloat16)
+    out[0]["aux"][0] = 0
+    out[1]["last_hidden"][0] = torch.logspace(-3, 3, H).to(torch.bfloat16)
+    return out
+
+
+def assert_within_e4m3(got: torch.Tensor, want: torch.Tensor, states: int) -> None:
+    """The stated bound of the fp8 store, per element x of a token's state with largest |value| m:
+    |x̂ − x| ≤ 2^-4·|x| + 2^-18·m. e4m3 keeps 3 mantissa bits, so rounding to nearest costs at most half a step,
+    2^-4 of |x|, in its normal range; below it (|x| under 2^-6 of the scale) half the smallest step, 2^-10 of the
+    scale, and the scale is under m/224: 2^-10/224 < 2^-17.8. Dequantising to bf16 is exact (module docstring),
+    so nothing else is lost. In particular every element is within 2^-4 of its token's max."""
+    T = want.shape[0]
+    x, y = want.float().view(T, states, -1), got.float().view(T, states, -1)
+    m = x.abs().amax(-1, keepdim=True)
+    err = (y - x).abs()
+    assert bool((err <= 2 ** -4 * x.abs() + 2 ** -18 * m).all()), float((err / (x.abs() + 1e-30)).max())
+    assert bool((err <= 2 ** -4 * m).all())
+
+
+def test_fp8_round_trip_within_the_e4m3_bound(tmp_path):
+    samples = wide_samples(8)
+    w = write_store(tmp_path, samples, config=FP8)
+    store = Store(str(tmp_path), verify=True)
+    assert store.storage == "fp8" and store.config["storage_dtype"] == "fp8"
+    assert json.loads((tmp_path / MANIFEST).read_text())["version"] == 2
+    errs = []
+    for i, want in enumerate(samples):
+        got = store[i]
+        assert torch.equal(got["input_ids"], want["input_ids"].long())
+        assert torch.equal(got["loss_mask"], want["loss_mask"].bool())
+        for key, states in (("aux", N_AUX), ("last_hidden", 1)):
+            assert got[key].dtype == torch.bfloat16 and got[key].shape == want[key].shape
+            assert_within_e4m3(got[key], want[key], states)
+            errs.append(((got[key].float() - want[key].float()).abs() / want[key].float().abs().clamp_min(1e-30)).max())
+    assert max(errs) > 2 ** -6  # the values did go through e4m3 (3 mantissa bits), not bf16 (7)
+    assert torch.equal(store[0]["aux"][0], torch.zeros(N_AUX * H, dtype=torch.bfloat16))  # an all-zero state stays 0
+    # the layout economics prices: 1 byte a state element, 4 per token and state for its scale, 5 for id and mask
+    assert 0 <= w.bytes - w.num_tokens * bytes_per_token(N_AUX, H, "fp8") < 3 * 640
+    bf16 = write_store(tmp_path / "bf16", samples)
+    assert bf16.bytes - bf16.num_tokens * bytes_per_token(N_AUX, H) < 3 * 512
+    # the safetensors library reads the shards: e4m3 values, fp32 scales; scale · value is what the store returns
+    flat = load_file(str(tmp_path / shard_name(0)))
+    assert flat["aux"].dtype == torch.float8_e4m3fn and flat["aux_scale"].dtype == torch.float32
+    assert flat["aux_scale"].shape == (flat["aux"].shape[0], N_AUX) and flat["last_hidden_scale"].shape[1] == 1
+    n0 = len(samples[0]["input_ids"])
+    assert torch.equal(dequantize_fp8(flat["aux"][:n0], flat["aux_scale"][:n0]), store[0]["aux"])
+    scaled = flat["aux"].float().abs().view(-1, N_AUX, H).amax(-1)  # each state's max in e4m3: (224, 448] rounded
+    assert bool(((scaled >= 224) & (scaled <= 448)).logical_or(scaled == 0).all()) and bool((flat["aux_scale"] > 0).all())
+    assert bool((torch.frexp(flat["aux_scale"]).mantissa == 0.5).all())  # powers of two: dividing is exact
+
+
+def test_quantize_fp8_edges():
+    x = torch.tensor([[448.0, -1.0], [0.0, 0.0], [3e-38, 1e-38], [1e30, -2e29]])
+    q, s = quantize_fp8(x, 1)
+    y = dequantize_fp8(q, s, torch.float32)
+    assert torch.isfinite(y).all() and y[1].eq(0).all()
+    assert_within_e4m3(y, x, 1)
+    assert y[0].tolist() == [448.0, -1.0]  # both exact in e4m3 at scale 1: 448 is its largest value
+    assert float(s[2, 0]) == 2.0 ** -126  # amax 3e-38: the smallest normal fp32 scale, still a power of two
+    for sample in wide_samples(4):  # bf16 states are scaled in bf16 (faster): the same bits as through fp32
+        for key, states in (("aux", N_AUX), ("last_hidden", 1)):
+            a, b = quantize_fp8(sample[key], states), quantize_fp8(sample[key].float(), states)
+            assert torch.equal(a[0].view(torch.uint8), b[0].view(torch.uint8)) and torch.equal(a[1], b[1])
+    for bad in (float("inf"), float("nan")):
+        with pytest.raises(DraftportError, match="inf or NaN") as exc:
+            quantize_fp8(torch.tensor([[1.0, bad]]), 1)
+        one_line(exc)
+
+
+def test_fp8_checksums_cover_the_scales_and_a_store_never_mixes_dtypes(tmp_path):
+    samples = make_samples(9)
+    w = StoreWriter(str(tmp_path), FP8, identity=["target", "seed"])
+    w.submit(samples[:3])
+    w.close()  # a killed fp8 capture: one shard committed
+    with pytest.raises(DraftportError) as exc:  # resuming it in bf16 (the default) would mix the dtypes
+        StoreWriter(str(tmp_path), CONFIG, identity=["target", "seed"])
+    assert "storage_dtype" in one_line(exc) and "--restart" in str(exc.value)
+    w = StoreWriter(str(tmp_path), FP8, identity=["target", "seed"])
+    for s in range(3, 9, 3):
+        w.submit(samples[s:s + 3])
+    w.finish()
+    resumed = Store(str(tmp_path), verify=True)
+    fresh = write_store(tmp_path / "fresh", samples, config=FP8)
+    assert [s["sha256"] for s in resumed.manifest["shards"]] == [s["sha256"] for s in fresh.shards]
+    # a flipped bit in a scale (the first float after offsets and ids) is a checksum error naming the shard
+    path = tmp_path / shard_name(1)
+    header, _ = read_shard_header(str(path))
+    at = header["aux_scale"][2]
+    data = bytearray(path.read_bytes())
+    data[at + 2] ^= 0x01
+    path.write_bytes(bytes(data))
+    with pytest.raises(DraftportError, match=shard_name(1)) as exc:
+        Store(str(tmp_path), verify=True)
+    assert "sha256" in one_line(exc)
+    # a manifest that says bf16 over fp8 shards, or names no dtype we know, is refused on open
+    m = json.loads((tmp_path / MANIFEST).read_text())
+    for storage, problem in (("bf16", "'aux' should be BF16"), ("fp4", "storage_dtype 'fp4'")):
+        (tmp_path / MANIFEST).write_text(json.dumps({**m, "config": {**m["config"], "storage_dtype": storage}}))
+        with pytest.raises(DraftportError, match=problem) as exc:
+            Store(str(tmp_path))
+        one_line(exc)
+    (tmp_path / MANIFEST).write_text(json.dumps({**m, "version": 1}))
+    with pytest.raises(DraftportError, match="version-1 store cannot hold fp8") as exc:
+        Store(str(tmp_path))
+
+
+def test_fp8_collate_and_views_read_bf16(tmp_path):
+    samples = make_samples(5)
+    write_store(tmp_path, samples, config=FP8)
+    store = Store(str(tmp_path))
+    batch = collate([store.view(1, 4)[i] for i in range(3)])
+    assert batch["aux"].dtype == batch["last_hidden"].dtype == torch.bfloat16
+    for b in range(3):
+        n = int(batch["lengths"][b])
+        assert torch.equal(batch["aux"][b, :n], store[b + 1]["aux"]) and not batch["aux"][b, n:].any()
+    again = pickle.loads(pickle.dumps(store))
+    assert torch.equal(again[2]["last_hidden"], store[2]["last_hidden"])

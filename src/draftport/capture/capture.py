@@ -42,9 +42,10 @@ from draftport.check.layers import validate_aux_ids
 from draftport.data import conversations as data_mod
 from draftport.data.chat import resolve_chat_template, tokenize_conversations
 from draftport.data.conversations import check_data_source, save_conversations
-from draftport.data.store import (MANIFEST, StoreWriter, bytes_per_token, clear_store, identity_mismatch,
+from draftport.data.store import (MANIFEST, STORE_DTYPES, StoreWriter, clear_store, identity_mismatch,
                                   read_shard_samples, write_shard)
-from draftport.decode.options import BATCH_ENGINES, REGEN_ENGINES
+from draftport.decode.options import BATCH_ENGINES, BACKENDS, REGEN_ENGINES, REGEN_VLLM
+from draftport.economics import bytes_per_token, bytes_per_token_sum
 from draftport.errors import DraftportError, bad_input
 from draftport.interrupt import Interrupted
 from draftport.model.target import load_target
@@ -63,8 +64,11 @@ PIECE_SECONDS = 60.0     # a shard computing longer than this keeps its finished
 # what must be equal to resume; "request" keys come straight from the flags (checked before the
 # target loads), the rest are derived from the target and the data
 REGEN_KEYS = ("samples_per_prompt", "max_new_tokens", "temperature", "regen_batch_size", "regen_engine")  # its flags
-REQUEST_KEYS = ("target", "data", "max_samples", "max_len", "chat_template", "regenerate", "seed", "dtype") + REGEN_KEYS
-IDENTITY = REQUEST_KEYS + ("aux_layers", "hidden_size", "shard_tokens", "data_sha256", "expected_samples")
+REQUEST_KEYS = ("target", "data", "max_samples", "max_len", "chat_template", "regenerate", "seed", "dtype",
+                "backend", "data_slice") + REGEN_KEYS
+# the store's own request keys: how the states are written decides nothing in the regenerated text
+STORE_KEYS = REQUEST_KEYS + ("storage_dtype",)
+IDENTITY = STORE_KEYS + ("aux_layers", "hidden_size", "shard_tokens", "data_sha256", "expected_samples")
 
 
 @dataclass
@@ -91,6 +95,13 @@ class CaptureConfig:
     restart: bool = False              # delete the store in --out and start over
     shard_tokens: int | None = None    # tokens per shard (None: about 256 MiB of shard)
     trust_remote_code: bool = False    # let the target run its own modelling code
+    backend: str = "draftport"         # who runs the target: draftport (HF transformers) | vllm (its engine,
+                                       # serving/vllm_capture.py; regeneration through it too)
+    tensor_parallel_size: int = 1      # --backend vllm: GPUs the target is split over
+    data_slice: str | None = None      # "K/N": capture only the K-th of N contiguous slices of the samples
+                                       # (data-parallel capture; data/store.merge_stores joins the N stores)
+    store_dtype: str = "bf16"          # how the states are stored: bf16 | fp8 (e4m3 + an fp32 scale per token and
+                                       # state: half the disk; data/store.py's docstring)
     json: bool = False                 # print the summary as one JSON object on stdout
 
 
@@ -131,15 +142,35 @@ def request_config(cfg: CaptureConfig) -> dict:
             "max_new_tokens": cfg.max_new_tokens if cfg.regenerate else None,
             "temperature": cfg.temperature if cfg.regenerate else None, "seed": cfg.seed,
             "regen_batch_size": (cfg.regen_batch_size or cfg.batch_size or DEFAULT_BATCH) if cfg.regenerate else None,
-            "regen_engine": cfg.regen_engine if cfg.regenerate else None,
-            "dtype": cfg.dtype or ("bf16" if device.startswith("cuda") else "fp32")}
+            "regen_engine": (REGEN_VLLM if cfg.backend == REGEN_VLLM else cfg.regen_engine) if cfg.regenerate else None,
+            "dtype": cfg.dtype or ("bf16" if device.startswith("cuda") else "fp32"),
+            # None for the HF path and for the whole data: a store captured before the keys existed resumes
+            "backend": cfg.backend if cfg.backend != "draftport" else None,
+            "data_slice": list(parse_slice(cfg.data_slice)) if cfg.data_slice else None,
+            "storage_dtype": cfg.store_dtype}
+
+
+def parse_slice(text: str) -> tuple[int, int]:
+    """'K/N' -> (K, N), 0 <= K < N."""
+    try:
+        k, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise DraftportError(f"--slice {text!r}: expected K/N, e.g. 0/8") from None
+    if not 0 <= k < n:
+        raise DraftportError(f"--slice {text!r}: need 0 <= K < N")
+    return k, n
+
+
+def slice_bounds(num_samples: int, k: int, n: int) -> tuple[int, int]:
+    """Samples [a, b) of slice k of n: contiguous, sizes differ by at most one, in data order."""
+    return num_samples * k // n, num_samples * (k + 1) // n
 
 
 def _refuse_if_different(out: str, request: dict) -> None:
     mpath = os.path.join(out, MANIFEST)
     if os.path.exists(mpath):
         old = read_json(mpath).get("config")
-        mismatch = identity_mismatch(old if isinstance(old, dict) else {}, request, REQUEST_KEYS)
+        mismatch = identity_mismatch(old if isinstance(old, dict) else {}, request, STORE_KEYS)
         if mismatch:
             raise DraftportError(f"holds a capture made with a different config ({mismatch}); "
                                  "rerun with --restart to start over, or use another --out", out)
@@ -191,6 +222,8 @@ def regenerate_into(out: str, target, convs, request: dict, console: Console, *,
             if not os.path.exists(path):
                 if engine in BATCH_ENGINES and generator is None:  # one cache and graph for every chunk
                     generator = regen_mod.batch_generator(target, B, request["max_len"], temperature, engine=engine)
+                elif engine == REGEN_VLLM and generator is None:  # the target runs in vLLM (serving/vllm_capture.py)
+                    generator = target.generator(B, request["max_len"], temperature)
                 part = regen_mod.regenerate(target, convs[s:s + chunk], samples_per_prompt=samples_per_prompt,
                                             max_new_tokens=max_new_tokens, temperature=temperature,
                                             seed=seed + ci, batch_size=B, chat_template=chat_template,
@@ -400,8 +433,10 @@ def capture_shard(target, ids: list[np.ndarray], masks: list[np.ndarray], batch_
     return states
 
 
-def run_capture(cfg: CaptureConfig, target=None, console: Console | None = None) -> dict:
-    """The whole verb; returns the summary dict (also written to <out>/summary.json)."""
+def run_capture(cfg: CaptureConfig, target=None, console: Console | None = None, open_target=None) -> dict:
+    """The whole verb; returns the summary dict (also written to <out>/summary.json). open_target(cfg): how the
+    target loads when none is passed (default: load_target; the verb passes vLLM's for --backend vllm, and
+    closes it)."""
     console = console or Console(stderr=True)
     if cfg.max_len is not None and cfg.max_len < 2:
         raise DraftportError(f"--max-len must be at least 2, got {cfg.max_len}")
@@ -409,6 +444,12 @@ def run_capture(cfg: CaptureConfig, target=None, console: Console | None = None)
         raise DraftportError("--batch-size, --regen-batch-size and --samples-per-prompt must be at least 1")
     if cfg.regen_engine not in REGEN_ENGINES:
         raise DraftportError(f"--regen-engine {cfg.regen_engine!r}: expected one of {', '.join(REGEN_ENGINES)}")
+    if cfg.data_slice is not None:
+        parse_slice(cfg.data_slice)
+    if cfg.backend not in BACKENDS:
+        raise DraftportError(f"--backend {cfg.backend!r}: expected one of {', '.join(BACKENDS)}")
+    if cfg.store_dtype not in STORE_DTYPES:
+        raise DraftportError(f"--store-dtype {cfg.store_dtype!r}: expected one of {', '.join(STORE_DTYPES)}")
     if cfg.shard_tokens is not None and cfg.shard_tokens < 1:
         raise DraftportError(f"--shard-tokens must be at least 1, got {cfg.shard_tokens}")
     out = cfg.out
@@ -430,8 +471,9 @@ def run_capture(cfg: CaptureConfig, target=None, console: Console | None = None)
 
     if target is None:
         with console.status(f"loading target {cfg.target}"):
-            target = load_target(cfg.target, device=cfg.device, dtype=cfg.dtype, aux_layers=cfg.aux_layers,
-                                 trust_remote_code=cfg.trust_remote_code)
+            target = (open_target(cfg) if open_target is not None else
+                      load_target(cfg.target, device=cfg.device, dtype=cfg.dtype, aux_layers=cfg.aux_layers,
+                                  trust_remote_code=cfg.trust_remote_code))
     aux_layers = list(validate_aux_ids(target.aux_layers, cfg.target, "the target's aux layers"))
     # a target passed in by a caller decides the compute dtype, whatever the flags said
     request["dtype"] = {torch.bfloat16: "bf16", torch.float32: "fp32"}.get(target.dtype, str(target.dtype))
@@ -446,17 +488,23 @@ def run_capture(cfg: CaptureConfig, target=None, console: Console | None = None)
     if not ids:
         raise bad_input(cfg.data, f"no usable samples: all {len(convs)} conversations are empty or have no "
                                   f"assistant tokens within --max-len {max_len}")
+    fingerprint, data_samples = data_fingerprint(ids, masks), len(ids)  # the whole data's, on every slice
+    lo, hi = slice_bounds(len(ids), *request["data_slice"]) if request["data_slice"] else (0, len(ids))
+    if lo == hi:
+        raise bad_input(cfg.data, f"--slice {cfg.data_slice} holds no samples (the data has {len(ids)})")
+    ids, masks = ids[lo:hi], masks[lo:hi]
     lengths = [len(x) for x in ids]
     H, n_aux = int(target.hidden_size), len(aux_layers)
-    bpt = bytes_per_token(n_aux, H)
+    bpt = bytes_per_token(n_aux, H, cfg.store_dtype)
     shard_tokens = cfg.shard_tokens or max(1, SHARD_BYTES // bpt)
     spec = getattr(target, "spec", None)
     config = {**request, "aux_layers": aux_layers, "hidden_size": H, "shard_tokens": shard_tokens,
-              "data_sha256": data_fingerprint(ids, masks), "expected_samples": len(ids),
+              "data_sha256": fingerprint, "expected_samples": len(ids), "data_samples": data_samples,
+              "slice_start": lo, "slice_end": hi,
               "expected_tokens": int(sum(lengths)), "skipped_samples": skipped,
               "num_layers": int(target.num_layers), "vocab_size": int(target.vocab_size),
               "target_architecture": getattr(spec, "architecture", None),
-              "target_model_type": getattr(spec, "model_type", None), "storage_dtype": "bf16",
+              "target_model_type": getattr(spec, "model_type", None),
               "chat_template_resolved": template_name,
               "batch_size": cfg.batch_size or DEFAULT_BATCH, "device": str(target.device)}
     writer = StoreWriter(out, config, identity=IDENTITY)
@@ -469,8 +517,9 @@ def run_capture(cfg: CaptureConfig, target=None, console: Console | None = None)
     total, remaining = int(sum(lengths)), int(sum(lengths[writer.num_samples:]))
     if skipped:
         console.print(f"skipped {skipped} conversations with no assistant tokens within {max_len} tokens")
-    console.print(f"capture: {len(ids):,} samples, {total:,} tokens × {bpt:,} bytes/token "
-                  f"(2·({n_aux}+1)·{H} + 5) ≈ {human_bytes(total * bpt)} on disk, in {len(plan)} shards"
+    console.print(f"capture: {len(ids):,} samples, {total:,} tokens × {bpt:,} bytes/token {cfg.store_dtype} "
+                  f"({bytes_per_token_sum(n_aux, H, cfg.store_dtype)}) ≈ {human_bytes(total * bpt)} on disk, "
+                  f"in {len(plan)} shards"
                   + (f"; resuming at sample {writer.num_samples:,} ({remaining:,} tokens to go)"
                      if writer.num_samples else ""))
     if not todo:
@@ -501,12 +550,19 @@ def run_capture(cfg: CaptureConfig, target=None, console: Console | None = None)
     try:
         with _progress(console) as progress:
             task = progress.add_task("capturing", total=remaining)
-            for a, b in todo:
-                if keep is None or keep.a != a:
-                    keep = ShardProgress(out, a, b, batch_size, writer, aux_width, H)
-                progress.advance(task, sum(len(st["input_ids"]) for st in keep.loaded.values()))
-                states = capture_shard(target, ids[a:b], masks[a:b], batch_size, pad_id, on_batch=advance, keep=keep)
-                keep.loaded = {}
+
+            def hf_shards():
+                nonlocal keep
+                for a, b in todo:
+                    if keep is None or keep.a != a:
+                        keep = ShardProgress(out, a, b, batch_size, writer, aux_width, H)
+                    progress.advance(task, sum(len(st["input_ids"]) for st in keep.loaded.values()))
+                    yield capture_shard(target, ids[a:b], masks[a:b], batch_size, pad_id, on_batch=advance, keep=keep)
+                    keep.loaded = {}
+
+            # vLLM takes many shards' requests at once (its scheduler fills the batch), then hands them back in order
+            shards = target.capture_shards(ids, masks, todo, on_batch=advance) if cfg.backend == "vllm" else hf_shards()
+            for (a, b), states in zip(todo, shards):
                 writer.submit(states)  # written by the writer threads while the next shard computes
                 if slow:  # test hook (module docstring): let a test kill us between committed shards
                     writer.flush()
@@ -530,7 +586,7 @@ def run_capture(cfg: CaptureConfig, target=None, console: Console | None = None)
                "tokens_per_s": done / seconds if seconds > 0 and done else 0.0, "seconds": seconds,
                "captured_tokens": done, "resumed_from_sample": writer.resumed_samples,
                "num_shards": len(writer.shards), "skipped_samples": skipped, "aux_layers": aux_layers,
-               "bytes_per_token": bpt, "complete": True}
+               "bytes_per_token": bpt, "storage_dtype": cfg.store_dtype, "complete": True}
     atomic_write_json(os.path.join(out, "summary.json"), summary)
     console.print(f"captured {summary['num_samples']:,} samples, {summary['num_tokens']:,} tokens "
                   f"({done:,} this run at {summary['tokens_per_s']:,.0f} tok/s), "

@@ -1,11 +1,12 @@
 """Regeneration: the target writes the assistant turns itself (SpecForge's strongest lever), so the
 drafter learns the target's own distribution rather than a dataset author's.
 
-Two generation engines:
+Generation engines:
     batch  decode/batch.BatchGenerator: one static cache of B rows, continuously refilled, the decode
            step CUDA-graphed: every ready prompt of a turn goes in one call (the default)
     hf     HF `generate`, prompts left-padded into batches of batch_size (the anchor it is measured
            against, and the path for models the batch engine's static cache does not fit)
+    vllm   vLLM's engine (`--backend vllm`: serving/vllm_capture.VllmGenerator, driven like the batch engine)
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Sequence
 from draftport.data.chat import ChatTemplate, encode_prompt, resolve_chat_template, stop_token_ids
 from draftport.data.conversations import Conversation
 from draftport.decode.batch import BatchConfig, BatchGenerator
-from draftport.decode.options import BATCH_ENGINES, REGEN_ENGINES
+from draftport.decode.options import BATCH_ENGINES, REGEN_ENGINES, REGEN_VLLM
 from draftport.errors import DraftportError
 
 REGEN_MAX_NEW_TOKENS = 256  # regeneration: tokens per response unless told otherwise
@@ -132,7 +133,9 @@ def regenerate(target, convs: Sequence[Conversation], *, chat_template=None, max
     capped by its longest prompt's room."""
     if samples_per_prompt < 1:
         raise DraftportError(f"--samples-per-prompt must be at least 1, got {samples_per_prompt}")
-    if engine not in REGEN_ENGINES:
+    if engine == REGEN_VLLM and generator is None:
+        raise DraftportError("regeneration through vLLM needs its generator (serving/vllm_capture.py)")
+    if engine not in REGEN_ENGINES + (REGEN_VLLM,):
         raise DraftportError(f"--regen-engine {engine!r}: expected one of {', '.join(REGEN_ENGINES)}")
     if samples_per_prompt > 1 and temperature <= 0:
         print(f"draftport: --samples-per-prompt {samples_per_prompt} with greedy decoding gives identical answers; "
@@ -151,7 +154,7 @@ def regenerate(target, convs: Sequence[Conversation], *, chat_template=None, max
         base = [m for m in conv.messages if m["role"] != "assistant"]
         cid = conv.id if conv.id is not None else str(n)
         jobs += [[cid if samples_per_prompt == 1 else f"{cid}#{k}", list(base), []] for k in range(samples_per_prompt)]
-    batched = engine in BATCH_ENGINES
+    batched = engine in BATCH_ENGINES + (REGEN_VLLM,)
     if batched and generator is None:
         generator = batch_generator(target, batch_size, max_len, temperature, top_p, seed, engine)
     if batched and (generator.cfg.temperature, generator.cfg.top_p) != (temperature, top_p):

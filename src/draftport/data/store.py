@@ -10,6 +10,17 @@ Layout of a store directory (docs/internals.md, "store.py / capture.py"):
         last_hidden bf16  [N, H]       the target's last hidden state after its final norm
         loss_mask   uint8 [N]          1 on assistant tokens
 
+The states' storage dtype is the manifest's config.storage_dtype: bf16 as above (format version 1), or fp8
+(version 2, `capture --store-dtype fp8`: half the disk; the shards' metadata says storage_dtype fp8 too), where
+`aux` and `last_hidden` are float8_e4m3fn and each has a scale tensor before it, one fp32 per token and state:
+        aux_scale          fp32 [N, n_aux]   state i of a token is aux[:, i·H:(i+1)·H] · aux_scale[:, i]
+        last_hidden_scale  fp32 [N, 1]
+A scale is the power of two that brings its state's largest |value| into (224, 448] (e4m3's largest finite
+value is 448), so the division is exact, the only rounding is e4m3's (at most 2^-4 of an element, or half of
+e4m3's smallest step 2^-9 times the scale below its normal range), and the dequantised value is exact in bf16:
+readers get bf16 states from either dtype (`quantize_fp8` / `dequantize_fp8`). economics.bytes_per_token
+prices both layouts.
+
 A shard is written under a temporary name, fsynced, renamed, and only then listed in the manifest
 (itself written atomically). A shard file the manifest does not list is garbage from a killed run:
 `StoreWriter` deletes it on resume. Readers trust nothing: the manifest's structure and counts and
@@ -23,6 +34,7 @@ import json
 import math
 import os
 import re
+import shutil
 import struct
 import tempfile
 import threading
@@ -34,34 +46,88 @@ import numpy as np
 import torch
 
 from draftport.check.inventory import check_coverage, parse_header_json
+from draftport.economics import STATE_BYTES
 from draftport.errors import DraftportError, bad_input, disk_full, is_disk_full
 from draftport.safeio import atomic_write_json, read_json, set_file_mode, sha256_file
 
 FORMAT = "draftport-store"
-VERSION = 1
+VERSION = 2  # the newest format this draftport reads
+STORE_DTYPES = tuple(STATE_BYTES)  # the states' storage dtypes: bf16 | fp8
+# the format version each storage dtype is written as: a bf16 store stays readable by a version-1 reader
+FORMAT_VERSION = {"bf16": 1, "fp8": 2}
+FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
 MANIFEST = "manifest.json"
 SHARD_RE = re.compile(r"^shard-\d{5,}\.safetensors$")
 MAX_HEADER_BYTES = 1 << 20  # our headers hold five tensors; anything bigger was not written by us
 
-# name -> (safetensors dtype, numpy dtype used to read it, torch dtype it is returned as)
-_DTYPES = {"I64": (np.int64, 8), "I32": (np.int32, 4), "BF16": (np.uint16, 2), "U8": (np.uint8, 1)}
-# written in this order so every tensor starts aligned to its element size
-_LAYOUT = (("offsets", "I64"), ("input_ids", "I32"), ("aux", "BF16"), ("last_hidden", "BF16"), ("loss_mask", "U8"))
-
-
-def bytes_per_token(num_aux: int, hidden_size: int) -> int:
-    """Disk bytes per captured token: bf16 aux (n·H) + bf16 last hidden (H) + int32 id + uint8 mask."""
-    return 2 * (num_aux + 1) * hidden_size + 5
+# safetensors dtype -> (numpy dtype used to read it, bytes per element)
+_DTYPES = {"I64": (np.int64, 8), "I32": (np.int32, 4), "F32": (np.float32, 4), "BF16": (np.uint16, 2),
+           "F8_E4M3": (np.uint8, 1), "U8": (np.uint8, 1)}
+# per storage dtype, written in this order so every tensor starts aligned to its element size
+_LAYOUT = {
+    "bf16": (("offsets", "I64"), ("input_ids", "I32"), ("aux", "BF16"), ("last_hidden", "BF16"), ("loss_mask", "U8")),
+    "fp8": (("offsets", "I64"), ("input_ids", "I32"), ("aux_scale", "F32"), ("last_hidden_scale", "F32"),
+            ("aux", "F8_E4M3"), ("last_hidden", "F8_E4M3"), ("loss_mask", "U8")),
+}
 
 
 def shard_name(index: int) -> str:
     return f"shard-{index:05d}.safetensors"
 
 
+# ----------------------------------------------------------------------------------------- fp8 states
+
+def quantize_fp8(x: torch.Tensor, states: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, states·W] (any float dtype) -> (float8_e4m3fn [T, states·W], fp32 scales [T, states]): each token's
+    each state divided by its scale, the power of two that brings its largest |value| into (224, 448] (an
+    all-zero state: 2^-9, harmless). A non-finite state has no scale: one-line error."""
+    T = x.shape[0]
+    v = x.detach()
+    if v.dtype not in (torch.bfloat16, torch.float32):
+        v = v.float()
+    v = v.reshape(T, states, -1)
+    amax = v.abs().amax(dim=-1).float() if v.shape[-1] else torch.zeros(T, states)
+    if not bool(torch.isfinite(amax).all()):
+        raise DraftportError("a hidden state holds inf or NaN: an fp8 store cannot scale it (capture with "
+                             "--store-dtype bf16 to keep the values as they are)")
+    mant, exp = torch.frexp(amax)  # amax = mant · 2^exp, mant in [0.5, 1): amax / 2^(exp-9) = mant · 512
+    k = (exp - 9 + (mant > FP8_MAX / 512).to(exp.dtype)).clamp(min=-126).float()  # normal in fp32 and bf16
+    # times 2^-k in the input's own dtype: exact (a power of two, no overflow: the product is at most 448), and
+    # bf16 arithmetic runs several times faster on the host than a copy to fp32 would
+    q = (v * torch.exp2(-k).to(v.dtype).unsqueeze(-1)).to(torch.float8_e4m3fn)
+    return q.reshape(T, -1), torch.exp2(k)
+
+
+def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """quantize_fp8's inverse: q [T, states·W] float8_e4m3fn, scale [T, states] -> [T, states·W] in `dtype` (exact
+    in bf16 and fp32: an e4m3 value times a power of two)."""
+    T, states = scale.shape
+    return (q.float().reshape(T, states, -1) * scale.float().unsqueeze(-1)).reshape(T, -1).to(dtype)
+
+
+def _encode(sample: dict, storage: str, states: int) -> dict:
+    """A sample's tensors as the shard holds them (store order of _LAYOUT[storage], without the offsets)."""
+    out = {"input_ids": torch.as_tensor(sample["input_ids"]).to(torch.int32),
+           "loss_mask": torch.as_tensor(sample["loss_mask"]).to(torch.uint8)}
+    for name, n in (("aux", states), ("last_hidden", 1)):
+        if storage == "fp8":
+            out[name], out[name + "_scale"] = quantize_fp8(sample[name], n)
+        else:
+            out[name] = sample[name].to(torch.bfloat16)
+    return {k: v.detach().cpu().contiguous() for k, v in out.items()}
+
+
+def check_store_dtype(storage: Any, where: str) -> str:
+    if storage not in STORE_DTYPES:
+        raise bad_input(where, f"storage dtype {storage!r} is not one of {', '.join(STORE_DTYPES)}")
+    return storage
+
+
 # ----------------------------------------------------------------------------------------- writing
 
-def write_shard(path: str, samples: Sequence[dict], start: int) -> dict:
-    """Write samples (dicts of input_ids[T], loss_mask[T], aux[T,A], last_hidden[T,H]) as one shard.
+def write_shard(path: str, samples: Sequence[dict], start: int, storage: str = "bf16") -> dict:
+    """Write samples (dicts of input_ids[T], loss_mask[T], aux[T,A], last_hidden[T,H]) as one shard, the states
+    in `storage` (bf16 | fp8, module docstring).
 
     Streams each tensor sample by sample (no shard-sized concatenation), hashing as it writes;
     temp name + fsync + rename, so the final name only ever holds a complete file.
@@ -69,16 +135,26 @@ def write_shard(path: str, samples: Sequence[dict], start: int) -> dict:
     """
     if not samples:
         raise ValueError("a shard needs at least one sample")
+    check_store_dtype(storage, path)
     lengths = [int(s["input_ids"].shape[0]) for s in samples]
     n_tok = sum(lengths)
     aux_w = int(samples[0]["aux"].shape[-1])
     hid_w = int(samples[0]["last_hidden"].shape[-1])
+    if hid_w < 1 or aux_w % hid_w:
+        raise ValueError(f"aux width {aux_w} is not a multiple of the hidden size {hid_w}")
+    n_aux = aux_w // hid_w
+    samples = [_encode(s, storage, n_aux) for s in samples]  # fp8: each state quantised once, scales with it
     shapes = {"offsets": [len(samples) + 1], "input_ids": [n_tok], "aux": [n_tok, aux_w],
-              "last_hidden": [n_tok, hid_w], "loss_mask": [n_tok]}
-    header: dict[str, Any] = {"__metadata__": {"format": "pt", "draftport_store": str(VERSION),
-                                               "start": str(start), "end": str(start + len(samples))}}
+              "last_hidden": [n_tok, hid_w], "loss_mask": [n_tok], "aux_scale": [n_tok, n_aux],
+              "last_hidden_scale": [n_tok, 1]}
+    meta = {"format": "pt", "draftport_store": str(FORMAT_VERSION[storage]),
+            "start": str(start), "end": str(start + len(samples))}
+    if storage != "bf16":  # a bf16 shard stays byte for byte what a version-1 writer wrote
+        meta["storage_dtype"] = storage
+    header: dict[str, Any] = {"__metadata__": meta}
     pos = 0
-    for name, dt in _LAYOUT:
+    layout = _LAYOUT[storage]
+    for name, dt in layout:
         nbytes = math.prod(shapes[name]) * _DTYPES[dt][1]
         header[name] = {"dtype": dt, "shape": shapes[name], "data_offsets": [pos, pos + nbytes]}
         pos += nbytes
@@ -92,14 +168,7 @@ def write_shard(path: str, samples: Sequence[dict], start: int) -> dict:
             yield offsets
             return
         for s in samples:
-            t = s[name]
-            if name == "input_ids":
-                t = torch.as_tensor(t).to(torch.int32)
-            elif name == "loss_mask":
-                t = torch.as_tensor(t).to(torch.uint8)
-            else:
-                t = t.to(torch.bfloat16)
-            yield t.detach().cpu().contiguous()
+            yield s[name]
 
     dirname = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".partial", dir=dirname)
@@ -109,7 +178,7 @@ def write_shard(path: str, samples: Sequence[dict], start: int) -> dict:
             for block in (struct.pack("<Q", len(hbytes)), hbytes):
                 f.write(block)
                 h.update(block)
-            for name, _ in _LAYOUT:
+            for name, _ in layout:
                 for t in chunks(name):
                     if t.numel() == 0:
                         continue
@@ -133,8 +202,9 @@ def write_shard(path: str, samples: Sequence[dict], start: int) -> dict:
 class StoreWriter:
     """Appends shards to a store directory and commits each by rewriting the manifest.
 
-    `config` is saved in the manifest; on resume, the keys in `identity` must equal the saved ones
-    (else a one-line error suggesting --restart). Shards are written by `max_in_flight` background
+    `config` is saved in the manifest; its `storage_dtype` (bf16 when absent) is how the states are written. On
+    resume, that dtype and the keys in `identity` must equal the saved ones (else a one-line error suggesting
+    --restart): a store never mixes dtypes. Shards are written by `max_in_flight` background
     threads (sha256 runs at about 1 GB/s a core, so one thread cannot keep a fast disk busy) while
     the device computes the next ones; they commit strictly in order: the manifest only ever lists a
     contiguous prefix, so a shard finished ahead of an unfinished earlier one is garbage on a kill.
@@ -143,13 +213,16 @@ class StoreWriter:
     def __init__(self, path: str, config: dict, *, identity: Sequence[str] = (), restart: bool = False,
                  max_in_flight: int = 3):
         self.path = os.fspath(path)
+        self.storage = check_store_dtype(config.get("storage_dtype", "bf16"), "the store's config")
         os.makedirs(self.path, exist_ok=True)
         manifest_path = os.path.join(self.path, MANIFEST)
         if restart:
             clear_store(self.path)
         if os.path.exists(manifest_path):
             old = _check_manifest(read_json(manifest_path), manifest_path)
-            mismatch = identity_mismatch(old["config"], config, identity)
+            mismatch = identity_mismatch({"storage_dtype": store_dtype(old["config"])},
+                                         {"storage_dtype": self.storage}, ["storage_dtype"])
+            mismatch = mismatch or identity_mismatch(old["config"], config, identity)
             if mismatch:
                 raise DraftportError(f"holds a capture made with a different config ({mismatch}); "
                                      "rerun with --restart to start over, or use another --out", self.path)
@@ -185,7 +258,7 @@ class StoreWriter:
         path = os.path.join(self.path, MANIFEST)
         try:
             atomic_write_json(path, {
-                "format": FORMAT, "version": VERSION, "num_samples": self.num_samples, "num_tokens": self.num_tokens,
+                "format": FORMAT, "version": FORMAT_VERSION[self.storage], "num_samples": self.num_samples, "num_tokens": self.num_tokens,
                 "complete": complete, "shards": self.shards, "config": self.config})
         except OSError as exc:  # the old manifest stays in place: it lists only whole shards
             if is_disk_full(exc):
@@ -193,7 +266,7 @@ class StoreWriter:
             raise
 
     def _write(self, samples: Sequence[dict], start: int, index: int) -> None:
-        entry = write_shard(os.path.join(self.path, shard_name(index)), samples, start)
+        entry = write_shard(os.path.join(self.path, shard_name(index)), samples, start, self.storage)
         with self._lock:
             self._finished[index] = entry
             if len(self.shards) not in self._finished:
@@ -236,6 +309,11 @@ class StoreWriter:
             self._pool.shutdown()
 
 
+def store_dtype(config: dict) -> str:
+    """A store config's storage dtype (stores written before the key was read are bf16)."""
+    return config.get("storage_dtype") or "bf16"
+
+
 def identity_mismatch(old: dict, new: dict, keys: Sequence[str]) -> str | None:
     """'key: old → new' for the first identity key that differs, else None."""
     for k in keys:
@@ -258,6 +336,79 @@ def clear_store(path: str) -> None:
     if os.path.exists(manifest):
         os.unlink(manifest)
     _remove_garbage(path, keep=set())
+
+
+# ----------------------------------------------------------------------------------------- merging
+
+# config keys that differ between the slices of one data-parallel capture (capture --slice K/N)
+PER_SLICE = ("data_slice", "slice_start", "slice_end", "expected_samples", "expected_tokens", "device")
+
+
+def merge_stores(parts: Sequence[str], out: str) -> dict:
+    """One store from the N slice stores of a data-parallel capture (each node captured `--slice K/N` into its
+    own store): the slices' shards, verified against their sha256 first, hard-linked (copied across
+    filesystems) into `out` in slice order and listed in one manifest. Every slice must be complete and made
+    with the same config on the same data (data_sha256), and together they must cover it: slice 0..N-1, each
+    starting where the previous one ended. A shard's header keeps the range it had in its slice; readers take
+    the range from the manifest. Returns the manifest."""
+    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
+        raise bad_input(out, "the merged store's folder must be new or empty")
+    stores = [Store(p, verify=True) for p in parts]
+    if not stores:
+        raise DraftportError("nothing to merge")
+    for st in stores:
+        if not st.complete:
+            raise bad_input(st.path, "this slice's capture is not complete: finish it (rerun the same command) first")
+        if not isinstance(st.config.get("data_slice"), list):
+            raise bad_input(st.path, "not a slice of a data-parallel capture (captured without --slice)")
+    stores.sort(key=lambda st: st.config["data_slice"][0])
+    first = stores[0].config
+    for st in stores[1:]:
+        if st.storage != stores[0].storage:
+            raise bad_input(st.path, f"holds {st.storage} states and {stores[0].path} {stores[0].storage} ones: "
+                                     "the slices of one store share --store-dtype")
+    n = first["data_slice"][1]
+    for k, st in enumerate(stores):
+        cfg = st.config
+        differ = sorted(key for key in set(cfg) | set(first) if key not in PER_SLICE and cfg.get(key) != first.get(key))
+        if differ:
+            raise bad_input(st.path, f"captured with another config than {stores[0].path} ({', '.join(differ)})")
+        if cfg["data_slice"] != [k, n]:
+            raise bad_input(st.path, f"holds slice {cfg['data_slice'][0]}/{cfg['data_slice'][1]}; a merge of "
+                                     f"{len(stores)} slices needs slices 0/{n} … {n - 1}/{n}, each once")
+        start = stores[k - 1].config["slice_end"] if k else 0
+        if cfg["slice_start"] != start:
+            raise bad_input(st.path, f"starts at sample {cfg['slice_start']}, not where the slice before ends ({start})")
+    if len(stores) != n or stores[-1].config["slice_end"] != first.get("data_samples"):
+        raise DraftportError(f"{len(stores)} slices of {n} cover samples [0, {stores[-1].config['slice_end']}) of "
+                             f"{first.get('data_samples')}: give every slice")
+    os.makedirs(out, exist_ok=True)
+    shards, pos = [], 0
+    try:
+        for st in stores:
+            for entry in st.manifest["shards"]:
+                name = shard_name(len(shards))
+                src, dst = os.path.join(st.path, entry["file"]), os.path.join(out, name)
+                try:
+                    os.link(src, dst)
+                except OSError:  # another filesystem (or none that links): a copy, checked below like a link
+                    shutil.copyfile(src, dst)
+                size = entry["end"] - entry["start"]
+                shards.append({**entry, "file": name, "start": pos, "end": pos + size})
+                pos += size
+        config = {**first, "data_slice": None, "slice_start": 0, "slice_end": pos, "expected_samples": pos,
+                  "expected_tokens": sum(st.config.get("expected_tokens", 0) for st in stores),
+                  "merged_from": [os.path.abspath(st.path) for st in stores]}
+        manifest = {"format": FORMAT, "version": FORMAT_VERSION[stores[0].storage], "num_samples": pos,
+                    "num_tokens": sum(sh["num_tokens"] for sh in shards), "complete": True, "shards": shards,
+                    "config": config}
+        _check_manifest(manifest, out)
+        atomic_write_json(os.path.join(out, MANIFEST), manifest)
+        Store(out, verify=True)
+    except BaseException:
+        shutil.rmtree(out, ignore_errors=True)  # no half-merged store left behind
+        raise
+    return manifest
 
 
 # ----------------------------------------------------------------------------------------- reading
@@ -283,6 +434,12 @@ def _check_manifest(m: dict, where: str) -> dict:
     aux = cfg.get("aux_layers")
     if not isinstance(aux, list) or not aux or not all(_is_int(a) for a in aux):
         raise bad_input(where, "config.aux_layers must be a non-empty list of integers")
+    storage = store_dtype(cfg)
+    if storage not in STORE_DTYPES:
+        raise bad_input(where, f"config.storage_dtype {storage!r} is not one of {', '.join(STORE_DTYPES)}")
+    if m["version"] < FORMAT_VERSION[storage]:
+        raise bad_input(where, f"a version-{m['version']} store cannot hold {storage} states "
+                               f"(version {FORMAT_VERSION[storage]} and later do)")
     pos, tokens = 0, 0
     for i, s in enumerate(m["shards"]):
         if not isinstance(s, dict):
@@ -350,7 +507,7 @@ def _parse_shard_header(path: str) -> tuple[dict[str, tuple[str, list[int], int,
 class _Shard:
     """One shard's validated layout; the memory map opens lazily (and is not pickled to workers)."""
 
-    def __init__(self, path: str, entry: dict, aux_width: int, hidden: int):
+    def __init__(self, path: str, entry: dict, aux_width: int, hidden: int, storage: str = "bf16"):
         self.path, self.entry = path, entry
         if not os.path.isfile(path):
             raise bad_input(path, "shard listed in the manifest is missing")
@@ -359,8 +516,11 @@ class _Shard:
                                   "(truncated or modified)")
         self.tensors, _, data_start, data_len = _parse_shard_header(path)
         n, n_tok = entry["end"] - entry["start"], entry["num_tokens"]
+        state = "F8_E4M3" if storage == "fp8" else "BF16"
         want = {"offsets": ("I64", [n + 1]), "input_ids": ("I32", [n_tok]), "loss_mask": ("U8", [n_tok]),
-                "aux": ("BF16", [n_tok, aux_width]), "last_hidden": ("BF16", [n_tok, hidden])}
+                "aux": (state, [n_tok, aux_width]), "last_hidden": (state, [n_tok, hidden])}
+        if storage == "fp8":
+            want.update({"aux_scale": ("F32", [n_tok, aux_width // hidden]), "last_hidden_scale": ("F32", [n_tok, 1])})
         for name, (dt, shape) in want.items():
             got = self.tensors.get(name)
             if got is None or got[0] != dt or got[1] != shape:
@@ -380,8 +540,12 @@ class _Shard:
         return self._mm[b:e].view(_DTYPES[dt][0]).reshape(shape)
 
     def rows(self, name: str, a: int, b: int) -> torch.Tensor:
+        """Rows [a, b) of a tensor; states come back bf16 whatever the storage dtype (fp8 dequantised)."""
         t = torch.from_numpy(np.array(self._array(name)[a:b]))  # copy out of the read-only map
-        return t.view(torch.bfloat16) if self.tensors[name][0] == "BF16" else t
+        dt = self.tensors[name][0]
+        if dt == "F8_E4M3":
+            return dequantize_fp8(t.view(torch.float8_e4m3fn), self.rows(name + "_scale", a, b))
+        return t.view(torch.bfloat16) if dt == "BF16" else t
 
     def __getstate__(self):
         return {**self.__dict__, "_mm": None}
@@ -405,7 +569,7 @@ class Store:
     """Read a capture store: random access by sample, seeded batch order, sample-range views.
 
     `store[i]` -> {"input_ids": int64 [T], "loss_mask": bool [T], "aux": bf16 [T, n·H],
-    "last_hidden": bf16 [T, H], "index": i}. Indices are relative to this view; `view(a, b)` and
+    "last_hidden": bf16 [T, H], "index": i} (an fp8 store's states dequantised: `storage` says which). Indices are relative to this view; `view(a, b)` and
     `rank_view(r, world)` give sub-ranges sharing the same files. Opening checks the manifest and
     every shard header; `verify=True` (or `.verify()`) also checks the sha256 of every shard.
     """
@@ -419,8 +583,9 @@ class Store:
         self.config: dict = self.manifest["config"]
         self.hidden_size = int(self.config["hidden_size"])
         self.aux_layers = list(self.config["aux_layers"])
+        self.storage = store_dtype(self.config)
         aux_w = len(self.aux_layers) * self.hidden_size
-        self._shards = [_Shard(os.path.join(self.path, s["file"]), s, aux_w, self.hidden_size)
+        self._shards = [_Shard(os.path.join(self.path, s["file"]), s, aux_w, self.hidden_size, self.storage)
                         for s in self.manifest["shards"]]
         self._starts = np.array([s["start"] for s in self.manifest["shards"]], dtype=np.int64)
         all_lengths = (np.concatenate([np.diff(s.offsets) for s in self._shards]) if self._shards

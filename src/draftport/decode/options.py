@@ -21,6 +21,10 @@ DECODE_ATTENTION = ("dense", "flex")        # the batch engine's decode-step att
 # HF generate
 BATCH_ENGINES = ("batch", "batch-flex")
 REGEN_ENGINES = BATCH_ENGINES + ("hf",)
+# --backend on capture and train: who runs the target. "vllm" is also the regeneration engine then (a generator
+# over vLLM's engine, serving/vllm_capture.py), whatever --regen-engine says
+BACKENDS = ("draftport", "vllm")
+REGEN_VLLM = "vllm"
 NGRAM = "ngram"                             # --drafter ngram: prompt lookup, no checkpoint (a directory of that
                                             # name: ./ngram)
 DEFAULT_MAX_NEW_TOKENS = 128                # eval / generate, per prompt: EAGLE's MT-bench runs use 1024, which

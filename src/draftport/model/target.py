@@ -173,14 +173,9 @@ class HFTarget:
         return ids
 
     def _eos_ids(self) -> list[int]:
-        ids: list[int] = []
         gen = getattr(self.model, "generation_config", None)
-        for src in (getattr(gen, "eos_token_id", None), getattr(self._text_config, "eos_token_id", None),
-                    getattr(self.tokenizer, "eos_token_id", None) if self.tokenizer is not None else None):
-            for i in (src if isinstance(src, (list, tuple)) else [src]):
-                if i is not None and int(i) not in ids:
-                    ids.append(int(i))
-        return ids
+        return eos_ids(getattr(gen, "eos_token_id", None), getattr(self._text_config, "eos_token_id", None),
+                       getattr(self.tokenizer, "eos_token_id", None) if self.tokenizer is not None else None)
 
     # -- the passes -------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
@@ -220,6 +215,17 @@ class HFTarget:
     def __repr__(self) -> str:
         return (f"HFTarget({self.spec.architecture}, L={self.num_layers}, H={self.hidden_size}, V={self.vocab_size}, "
                 f"aux_layers={self.aux_layers}, {self.dtype}, {self.device})")
+
+
+def eos_ids(*sources) -> list[int]:
+    """The ids that end generation, in order, from the generation config's, the model config's and the
+    tokenizer's eos_token_id (each an id, a list of ids, or None)."""
+    ids: list[int] = []
+    for src in sources:
+        for i in (src if isinstance(src, (list, tuple)) else [src]):
+            if i is not None and int(i) not in ids:
+                ids.append(int(i))
+    return ids
 
 
 def _grab_input(store: dict, i: int):

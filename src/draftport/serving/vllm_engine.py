@@ -110,7 +110,11 @@ class VllmEngine:
         return aux_layers_logged(self.log)
 
     def close(self) -> None:
-        """Free the engine before the next one (one per process at a time keeps memory bounded)."""
+        """Free the engine before the next one (one per process at a time keeps memory bounded). A KV connector
+        (capture's) is process-global in vLLM: shut down here, or the next engine in this process would reuse it."""
+        from vllm.distributed.kv_transfer.kv_transfer_state import ensure_kv_transfer_shutdown
+
+        ensure_kv_transfer_shutdown()
         self.llm = None
         gc.collect()
         try:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from draftport.decode.options import REGEN_ENGINES
+from draftport.decode.options import BACKENDS, REGEN_ENGINES
 from draftport.errors import DraftportError
 
 
@@ -74,6 +74,9 @@ class TrainConfig:
     temperature: float = 0.0             # regeneration sampling temperature (0 = greedy)
     regen_batch_size: int | None = None  # regeneration: batch engine rows / HF generate batch (None: 8)
     regen_engine: str = "batch"          # regeneration: batch (static-cache batch engine) | batch-flex | hf
+    backend: str = "draftport"           # regeneration: who runs the target, draftport | vllm (its engine,
+                                         # serving/vllm_capture.py; training itself runs the HF target)
+    tensor_parallel_size: int = 1        # --backend vllm: GPUs the regenerating target is split over
     warmup_ratio: float = 0.015          # linear warmup over this fraction of the steps (≥ 1 step)
     weight_decay: float = 0.0            # AdamW decoupled weight decay
     max_grad_norm: float = 0.5           # gradient clipping (SpecForge's default)
@@ -128,6 +131,8 @@ class TrainConfig:
             raise DraftportError(f"regeneration needs --regen-batch-size and --samples-per-prompt >= 1 and "
                                  f"--regen-engine {'|'.join(REGEN_ENGINES)} (got {self.regen_batch_size}, "
                                  f"{self.samples_per_prompt}, {self.regen_engine!r})")
+        if self.backend not in BACKENDS:
+            raise DraftportError(f"--backend {self.backend!r}: expected one of {', '.join(BACKENDS)}")
         if r.attention not in ("flex", "eager") or (r.attention == "flex" and not cuda):
             raise DraftportError(f"attention {self.attention!r}: expected eager, or flex on CUDA")
         if num_train is not None:

@@ -54,10 +54,12 @@ from draftport.capture.capture import (DEFAULT_BATCH, DEFAULT_MAX_LEN, REGEN_FIL
                                        regenerate_into)
 from draftport.check.layers import validate_aux_ids
 from draftport.data.conversations import check_data_source, load_conversations, split_train_val
+from draftport.decode.options import REGEN_VLLM
 from draftport.errors import DraftportError, bad_input
 from draftport.interrupt import Interrupted, StopRequest
 from draftport.model.formats import save_drafter
 from draftport.model.target import load_target
+from draftport.serving.vllm_capture import check_vllm_target, open_vllm_target
 from draftport.safeio import atomic_write_json, default_out, read_json
 from draftport.train import parallel, resume, rundir
 from draftport.train.config import TrainConfig
@@ -102,7 +104,10 @@ def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
 def request_config(cfg: TrainConfig, device: torch.device) -> dict:
     """The flags that decide the weights (not where output goes or how often it is written)."""
     skip = {"out", "restart", "json", "val_every", "save_every", "keep_last", "save_at_tokens", "log_every",
-            "val_max_samples", "max_nonfinite_steps", "compile"}  # compile: the same weights either way
+            "val_max_samples", "max_nonfinite_steps", "compile",  # compile: the same weights either way
+            "tensor_parallel_size"}  # how many GPUs regenerate decides nothing the run keeps
+    if cfg.backend == "draftport":  # the default decides nothing new (and checkpoints without the key resume)
+        skip.add("backend")
     if not cfg.regenerate:  # regeneration settings decide nothing then (and checkpoints without them resume)
         skip |= {"regenerate", *REGEN_KEYS}
     if not cfg.group_by_length:  # off decides nothing new (and checkpoints without the key resume)
@@ -182,6 +187,8 @@ def open_run_dir(cfg: TrainConfig, info) -> tuple[str, dict]:
     if os.path.exists(out) and not os.path.isdir(out):
         raise bad_input(out, "--out exists and is not a directory")
     check_data_source(cfg.data)  # bad data fails now: before the folder, its run.json and the target's load
+    if cfg.regenerate and cfg.backend == "vllm":
+        check_vllm_target(cfg.target)  # likewise: vLLM missing, or a target it cannot load
     os.makedirs(out, exist_ok=True)
     run = cfg.resolved(info.device.type, distributed=info.distributed)  # bad values refused before any file
     parallel.rank_slice(run.batch_size, info)  # divisible by the ranks, or a one-line error
@@ -210,9 +217,19 @@ def regenerated_data(cfg: TrainConfig, out: str, request: dict, target, info, co
         regen_request["max_len"] = cfg.max_len or DEFAULT_MAX_LEN
         regen_request["regen_batch_size"] = cfg.regen_batch_size or DEFAULT_BATCH
         convs = load_conversations(cfg.data, max_samples=cfg.max_samples)
-        regenerate_into(out, target, convs, regen_request, console, samples_per_prompt=cfg.samples_per_prompt,
-                        max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, seed=cfg.seed,
-                        chat_template=cfg.chat_template, keys=keys, replace_other=cfg.restart)
+        writer = target
+        if cfg.backend == "vllm":  # the target answers in vLLM's engine, opened for this and closed after
+            regen_request["regen_engine"] = REGEN_VLLM
+            writer = open_vllm_target(cfg.target, max_len=regen_request["max_len"], dtype=cfg.dtype, seed=cfg.seed,
+                                      tensor_parallel_size=cfg.tensor_parallel_size,
+                                      trust_remote_code=cfg.trust_remote_code)
+        try:
+            regenerate_into(out, writer, convs, regen_request, console, samples_per_prompt=cfg.samples_per_prompt,
+                            max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, seed=cfg.seed,
+                            chat_template=cfg.chat_template, keys=keys, replace_other=cfg.restart)
+        finally:
+            if writer is not target:
+                writer.close()
     parallel.barrier(info)  # the other ranks read the file rank 0 wrote
     # max_samples counted prompts before the fan-out: every regenerated answer is trained on
     return dataclasses.replace(cfg, data=path, max_samples=None)

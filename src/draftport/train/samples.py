@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import os
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -78,10 +79,8 @@ class Samples:
     def __len__(self) -> int:
         return len(self.store) if self.offline else len(self.ids)
 
-    def lengths(self) -> "np.ndarray":
+    def lengths(self) -> np.ndarray:
         """Tokens per sample, int64 [len] (what a batch pads to the longest of)."""
-        import numpy as np
-
         if self.offline:
             return np.asarray(self.store.lengths, dtype=np.int64)
         return np.array([len(x) for x in self.ids], dtype=np.int64)

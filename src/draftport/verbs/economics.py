@@ -1,5 +1,6 @@
 """`draftport economics`: tok/s, speed-up, break-even τ and the τ and per-step acceptance a goal needs, from a
-measured cycle time (or verify and draft times) and τ; the arithmetic is draftport.economics'.
+measured cycle time (or verify and draft times) and τ; with --hidden-size, what a capture store of the target's
+states takes on disk (bf16, fp8) and which the disk allows. The arithmetic is draftport.economics'.
 
 No torch, no scipy: the verb must answer in well under a second (docs/design.md).
 """
@@ -9,8 +10,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from draftport.economics import (alpha_for_accept_len, break_even_accept_len, cycle_time_ms, max_accept_len,
-                                 min_depth_for, required_accept_len, speedup, tok_per_s)
+from draftport.economics import (alpha_for_accept_len, break_even_accept_len, bytes_per_token, capture_choice,
+                                 cycle_time_ms, max_accept_len, min_depth_for, online_target_passes,
+                                 required_accept_len, speedup, store_bytes, tok_per_s)
 from draftport.errors import DraftportError
 from draftport.verbs.answer import answer
 
@@ -29,6 +31,12 @@ class EconomicsConfig:
     accept_len: float | None = None     # measured τ = accepted drafts + 1 per cycle
     baseline_tok_s: float | None = None  # no-speculation tokens/s
     target_tok_s: float | None = None   # the goal in tokens/s
+    hidden_size: int | None = None      # the store question: the target's hidden size (Kimi-K2.5: 7168)
+    aux_count: int = 3                  # aux layers the drafter reads (EAGLE-3: 3)
+    samples: list[int] | None = None    # data set sizes in samples (default 100k and 500k)
+    tokens_per_sample: int = 1000       # mean tokens per sample
+    disk_tb: float | None = None        # disk for the store (TB); None: no verdict on what fits
+    epochs: int = 1                     # training epochs: the online path runs the target once per epoch
     json: bool = False                  # print one JSON object instead of tables
 
 
@@ -105,8 +113,31 @@ def _figures(cycle: float, cfg: EconomicsConfig) -> dict:
     return out
 
 
+DEFAULT_SAMPLES = (100_000, 500_000)
+
+
+def store_plan(cfg: EconomicsConfig) -> dict:
+    """The store question: bytes a captured token takes, each data set size's store in bf16 and fp8, and what the
+    disk allows (economics.capture_choice)."""
+    _check_positive("--disk-tb", cfg.disk_tb)
+    disk = cfg.disk_tb * 1e12 if cfg.disk_tb is not None else None
+    H, n = cfg.hidden_size, cfg.aux_count
+    rows = []
+    for samples in cfg.samples or DEFAULT_SAMPLES:
+        bf16 = store_bytes(samples, cfg.tokens_per_sample, n, H, "bf16")
+        fp8 = store_bytes(samples, cfg.tokens_per_sample, n, H, "fp8")
+        rows.append({"samples": samples, "tokens": samples * cfg.tokens_per_sample, "bf16_bytes": bf16,
+                     "fp8_bytes": fp8, "choice": capture_choice(bf16, fp8, disk)})
+    return {"hidden_size": H, "aux_count": n, "tokens_per_sample": cfg.tokens_per_sample,
+            "bytes_per_token": {s: bytes_per_token(n, H, s) for s in ("bf16", "fp8")}, "disk_bytes": disk,
+            "epochs": cfg.epochs, "online_target_passes": online_target_passes(cfg.epochs), "rows": rows}
+
+
 def compute(cfg: EconomicsConfig) -> dict:
     """Validate the flags and return the `--json` object (bad input → DraftportError)."""
+    speed = any(v is not None for v in (cfg.cycle_ms, cfg.verify_ms, cfg.draft_ms, cfg.overhead_ms))
+    if cfg.hidden_size is not None and not speed:
+        return {"store": store_plan(cfg)}
     cycle, verify, rest = resolve_cycle_ms(cfg)
     _validate_rates(cfg)
     result = {"cycle_ms": cycle, "depth": cfg.depth}
@@ -122,13 +153,42 @@ def compute(cfg: EconomicsConfig) -> dict:
                              "reachable")})
         what_if.append(row)
     result["what_if"] = what_if
+    if cfg.hidden_size is not None:
+        result["store"] = store_plan(cfg)
     return result
 
 
-def render(result: dict, cfg: EconomicsConfig) -> None:
-    """Rich tables on stdout: the figures, then tok/s / speedup / break-even over verify times."""
+def _tb(n: float) -> str:
+    return f"{n / 1e12:,.1f} TB" if n >= 1e12 else f"{n / 1e9:,.1f} GB"
+
+
+def render_store(plan: dict) -> None:
     from rich.console import Console
     from rich.table import Table
+
+    bpt = plan["bytes_per_token"]
+    t = Table(title=f"capture store (hidden {plan['hidden_size']}, {plan['aux_count']} aux layers + final; "
+                    f"{bpt['bf16']:,} B/token bf16, {bpt['fp8']:,} B/token fp8)",
+              caption="fp8: `capture --store-dtype fp8`, e4m3 with one fp32 scale per token and state; online: no "
+                      "store, the target runs again every epoch "
+                      f"({plan['online_target_passes']} target passes over the data for {plan['epochs']} epochs, "
+                      "against 1 for a store)")
+    for col in ("samples", "tokens", "bf16 store", "fp8 store", "what fits"):
+        t.add_column(col, justify="right")
+    for r in plan["rows"]:
+        fits = r["choice"] if plan["disk_bytes"] is not None else "(give --disk-tb)"
+        t.add_row(f"{r['samples']:,}", f"{r['tokens']:,.0f}", _tb(r["bf16_bytes"]), _tb(r["fp8_bytes"]), fits)
+    Console().print(t)
+
+
+def render(result: dict, cfg: EconomicsConfig) -> None:
+    """Rich tables on stdout: the figures, then tok/s / speedup / break-even over verify times; the store table."""
+    from rich.console import Console
+    from rich.table import Table
+
+    if "cycle_ms" not in result:
+        render_store(result["store"])
+        return
 
     depth = "unbounded" if cfg.depth is None else str(cfg.depth)
     t = Table(title=f"speculation economics (cycle {result['cycle_ms']:.2f} ms, depth {depth})")
@@ -167,6 +227,8 @@ def render(result: dict, cfg: EconomicsConfig) -> None:
     console = Console()
     console.print(t)
     console.print(w)
+    if "store" in result:
+        render_store(result["store"])
 
 
 def main(cfg: EconomicsConfig) -> int:
