@@ -28,8 +28,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from rich.console import Console
-from rich.progress import BarColumn, Progress, ProgressColumn, TextColumn, TimeRemainingColumn
-from rich.text import Text
 
 from draftport.capture import regenerate as regen_mod
 from draftport.check.layers import validate_aux_ids
@@ -40,6 +38,7 @@ from draftport.data.store import MANIFEST, StoreWriter, bytes_per_token, clear_s
 from draftport.decode.options import BATCH_ENGINES, REGEN_ENGINES
 from draftport.errors import DraftportError, bad_input
 from draftport.model.target import load_target
+from draftport.progress import progress_bar
 from draftport.safeio import atomic_write_json, read_json
 
 DEFAULT_MAX_LEN = 2048
@@ -81,21 +80,6 @@ class CaptureConfig:
     shard_tokens: int | None = None    # tokens per shard (None: about 256 MiB of shard)
     trust_remote_code: bool = False    # let the target run its own modelling code
     json: bool = False                 # print the summary as one JSON object on stdout
-
-
-class _Rate(ProgressColumn):
-    def __init__(self, unit: str):
-        super().__init__()
-        self.unit = unit
-
-    def render(self, task) -> Text:
-        rate = task.completed / task.elapsed if task.elapsed else 0.0
-        return Text(f"{rate:,.0f} {self.unit}/s", style="progress.data.speed")
-
-
-def _progress(console: Console, unit: str = "tok") -> Progress:
-    return Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed:,}/{task.total:,}"),
-                    _Rate(unit), TimeRemainingColumn(), console=console)
 
 
 def human_bytes(n: float) -> str:
@@ -173,7 +157,7 @@ def regenerate_into(out: str, target, convs, request: dict, console: Console, *,
     # rows inside a chunk, so a chunk of several batches keeps them full until its last answers.
     chunk = max(REGEN_CHUNK, B) if engine == "hf" else max(REGEN_CHUNK, REGEN_CHUNK_BATCHES * B)
     generator = None
-    with _progress(console, unit="prompt") as progress:
+    with progress_bar(console, unit="prompt") as progress:
         task = progress.add_task("regenerating", total=len(convs))
         for ci, s in enumerate(range(0, len(convs), chunk)):
             path = os.path.join(regen_dir, f"chunk-{ci:05d}.jsonl")
@@ -196,7 +180,7 @@ def tokenize_all(tokenizer, convs, chat_template, max_len, console: Console):
     """-> (ids: list[int32 array], masks: list[uint8 array], skipped). Drops samples with no loss token."""
     ids, masks, skipped = [], [], 0
     step = 1024  # conversations a progress update (tokenize_conversations batches them for the tokenizer)
-    with _progress(console, unit="conv") as progress:
+    with progress_bar(console, unit="conv") as progress:
         task = progress.add_task("tokenizing", total=len(convs))
         for s in range(0, len(convs), step):
             part = convs[s:s + step]
@@ -378,7 +362,7 @@ def run_capture(cfg: CaptureConfig, target=None, console: Console | None = None)
     pad_id = 0 if pad_id is None else int(pad_id)
     t0, done = time.perf_counter(), 0
     try:
-        with _progress(console) as progress:
+        with progress_bar(console, unit="tok") as progress:
             task = progress.add_task("capturing", total=remaining)
             for a, b in todo:
                 states = capture_shard(target, ids[a:b], masks[a:b], batch_size, pad_id,

@@ -14,7 +14,6 @@ from dataclasses import asdict, dataclass, field
 from types import SimpleNamespace
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from draftport.data.chat import stop_token_ids
@@ -27,6 +26,7 @@ from draftport.errors import DraftportError
 from draftport.model.formats import load_drafter, load_drafter_for, save_drafter
 from draftport.model.target import load_target, resolve_device, target_embedding
 from draftport.serving.vllm_engine import VllmSettings, require_vllm, speculative_config, versus, vllm_eval
+from draftport.progress import progress_bar
 from draftport.safeio import atomic_write_bytes, atomic_write_json, default_out, sha256_file
 from draftport.study import plots
 from draftport.study.report import fmt
@@ -85,9 +85,8 @@ def check_eval_flags(cfg: EvalConfig) -> int:
 def decode_prompts(run: EvalRun, convs, prompts: list[list[int]], console) -> EvalTally:
     """Every prompt through every engine (eval_prompt), behind a progress bar."""
     tally = EvalTally(run)
-    with Progress(TextColumn("eval"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=console, transient=True) as bar:
-        task = bar.add_task("prompts", total=len(prompts))
+    with progress_bar(console, transient=True) as bar:
+        task = bar.add_task("eval (prompts)", total=len(prompts))
         for i, (conv, p) in enumerate(zip(convs, prompts)):
             eval_prompt(run, tally, i, conv, p)
             bar.advance(task)
