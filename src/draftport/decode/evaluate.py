@@ -226,6 +226,11 @@ class EvalRun:
     def greedy(self) -> bool:
         return self.ecfg.temperature <= 0
 
+    @property
+    def decodes_per_prompt(self) -> int:
+        """Decoding runs eval_prompt makes a prompt: no speculation, speculative, HF generate, floor, hybrid."""
+        return 2 + int(self.hf_baseline) + int(not self.ngram_only) + int(self.hyb is not None)
+
 
 class EvalTally:
     """The per-prompt loop's sums: metrics.jsonl's rows, the speculative run's cycles and phase times,
@@ -263,13 +268,16 @@ def warm_up(run: EvalRun, warm: list[int]) -> None:
         hf_generate_rate(run.target, warm, min(N, 4), stops, run.ecfg.temperature, run.ecfg.top_p, run.ecfg.seed)
 
 
-def eval_prompt(run: EvalRun, tally: EvalTally, i: int, conv, p: list[int]) -> None:
+def eval_prompt(run: EvalRun, tally: EvalTally, i: int, conv, p: list[int], tick=lambda: None) -> None:
     """One prompt: no speculation (the reference), the speculative run against it, HF generate's rate,
-    the floor and the hybrid, the offline walk on the reference outputs; its row into tally.rows."""
+    the floor and the hybrid, the offline walk on the reference outputs; its row into tally.rows.
+    tick() after each of its run.decodes_per_prompt decoding runs (the verb's progress)."""
     N, k, stops, tot = run.N, run.k, run.stops, tally.tot
     seed = run.ecfg.seed + i
     rb = run.base.generate(p, run.n_base, stops, seed=seed)
+    tick()
     rs = run.spec.generate(p, N, stops, seed=seed)
+    tick()
     b_tok, b_s = len(rb.token_ids) - 1, rb.timings.total_s - rb.timings.prefill_s
     s_tok, s_s = len(rs.token_ids) - 1, rs.timings.total_s - rs.timings.prefill_s
     ref = rb.token_ids[:N]
@@ -290,10 +298,18 @@ def eval_prompt(run: EvalRun, tally: EvalTally, i: int, conv, p: list[int]) -> N
         hf, _ = hf_generate_rate(run.target, p, N, stops, run.ecfg.temperature, run.ecfg.top_p, seed)
         if hf is not None:
             tally.hf_rates.append(hf)
+        tick()
     fw, fm = lookup_walk(run.lk, p, rb.token_ids, k, N, skip_no_match=run.ecfg.ngram_no_match == "step")
     tally.fl_fig.add_offline(fw, fm)
-    frow = tally.fl_fig.add(rs if run.ngram_only else run.floor.generate(p, N, stops, seed=seed), ref)
-    hrow = tally.hy_fig.add(run.hyb.generate(p, N, stops, seed=seed), ref) if run.hyb is not None else None
+    if run.ngram_only:
+        frow = tally.fl_fig.add(rs, ref)
+    else:
+        frow = tally.fl_fig.add(run.floor.generate(p, N, stops, seed=seed), ref)
+        tick()
+    hrow = None
+    if run.hyb is not None:
+        hrow = tally.hy_fig.add(run.hyb.generate(p, N, stops, seed=seed), ref)
+        tick()
     w = None
     if run.store_result is None:
         w = fw if run.ngram_only else offline_on_outputs(run.spec, run.target, p, rb.token_ids, N)

@@ -83,13 +83,14 @@ def check_eval_flags(cfg: EvalConfig) -> int:
 
 
 def decode_prompts(run: EvalRun, convs, prompts: list[list[int]], console) -> EvalTally:
-    """Every prompt through every engine (eval_prompt), behind a progress bar."""
+    """Every prompt through every engine (eval_prompt), behind a progress bar that advances with each decoding
+    run, so its ETA shows after the first one (a prompt's runs can take minutes on a CPU)."""
     tally = EvalTally(run)
+    n = run.decodes_per_prompt
     with progress_bar(console, transient=True) as bar:
-        task = bar.add_task("eval (prompts)", total=len(prompts))
+        task = bar.add_task(f"eval: {len(prompts)} prompts × {n} decodes", total=len(prompts) * n)
         for i, (conv, p) in enumerate(zip(convs, prompts)):
-            eval_prompt(run, tally, i, conv, p)
-            bar.advance(task)
+            eval_prompt(run, tally, i, conv, p, tick=lambda: bar.advance(task))
     return tally
 
 
@@ -124,7 +125,8 @@ def run_eval(cfg: EvalConfig, *, target=None, drafter=None, console=None) -> dic
     run = EvalRun(target, ecfg, base, spec, floor, hyb, lk, hyb_lk, stops, N, ngram_only, flags=flag_record(cfg),
                   timing_repeats=cfg.timing_repeats, hf_baseline=not cfg.no_hf_baseline)
     run.store_result = store_offline(run, drafter, cfg.store, cfg.offline_samples, console)
-    warm_up(run, prompts[0])
+    with console.status("warm-up: first calls and graph capture, left out of every figure"):
+        warm_up(run, prompts[0])
     tally = decode_prompts(run, convs, prompts, console)
     summary = eval_summary(run, tally, prompts)
     if cfg.backend == "both":
