@@ -112,7 +112,8 @@ def test_figures_carry_the_digits_their_spread_supports():
 
     assert figure(173.1, 167.2, 179.4) == "173"      # ± 6 ms: whole milliseconds
     assert figure(5.657, 5.496, 5.657) == "5.66"     # ± 0.08: hundredths
-    assert figure(647.0, 600.0, 900.0) == "600"      # ± 150: hundreds
+    assert figure(647.0, 600.0, 900.0) == "650"      # ± 150: hundreds, but two digits of the median at least
+    assert figure(0.742, 0.6, 4.8) == "0.74" and figure(1400.0, 1400.0, 2100.0) == "1400"
     assert figure(105.0, 90.0, 130.0) == "110"       # rounded half up, as a reader rounds
     assert figure(195.07) == "195" and figure(0.97) == "0.970" and figure(12345.0) == "12300"  # no range: 3 digits
     assert figure(2.0, 2.0, 2.0) == "2.00" and figure(0.0) == "0" and figure(None) == "–"

@@ -183,11 +183,13 @@ def test_report_states_machine_spread_errors_and_transfer(tmp_path):
     assert "| verify ms (isolated) | 1500 | 1400 | 2100 | 8 |" in md
     assert "differ by 5.0×" in md and "other work shared the machine" in md
     # cycle-time and τ errors apart: predicted cycle = 1500 + 3 × 85 + 11 = 1766 ms vs 900 measured, each cycle
-    # shown phase by phase (to tens: three digits of the larger cycle) and adding up as shown
-    assert "| cycle ms | isolated verify + draft phase + overhead (table above) | 1770 | 900 | +96% |" in md
-    assert "| draft phase (extend + 2 draft steps) | 60 | 260 |" in md and "| cycle (the sum) | 900 | 1770 |" in md
+    # shown phase by phase (to three digits of the shorter cycle: whole ms) and adding up as shown
+    assert "| cycle ms | isolated verify + draft phase + overhead (table above) | 1766 | 900 | +96% |" in md
+    assert "| draft phase (extend + 2 draft steps) | 60 | 255 |" in md and "| cycle (the sum) | 900 | 1766 |" in md
+    assert "| verify (4 tokens through the target) | 829 | 1500 |" in md
+    assert "| overhead (accept, bookkeeping; measured, in both) | 11 | 11 |" in md
     assert "| τ | offline τ on the capture store | 1.70 | 1.10 | +55% |" in md
-    assert "At the measured cycle (900 ms, of which verify 830 ms)" in md
+    assert "At the measured cycle (900 ms, of which verify 829 ms)" in md
     # the summary leads: the verdict, then the shared-machine warning and the lossless check, before section 1
     head = md.split("## 1.")[0]
     assert head.index("is the fastest here") < head.index("**Warning:**") < head.index("Lossless check")

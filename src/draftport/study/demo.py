@@ -179,9 +179,11 @@ def timing_table(ev: dict) -> tuple[list[list], list[str]]:
 
 def cycle_phases(ev: dict, depth: int) -> tuple[list[list], dict]:
     """The cycle, phase by phase: measured while decoding (mean per cycle) and predicted from the isolated
-    timings (the prediction's cycle: isolated verify + depth × isolated draft step + the measured overhead).
-    Every phase that enters a sum is a row, all at one precision (three significant digits of the larger
-    cycle), and each cycle is the sum of its rows as shown, so the table adds up as printed.
+    timings (the prediction's cycle: isolated verify + the isolated draft phase, depth × draft_ms_per_step, + the
+    measured overhead).
+    Every phase that enters a sum is a row, all at one precision (three significant digits of the shorter
+    cycle, so the overhead both share shows as one figure), and each cycle is the sum of its rows as shown, so
+    the table adds up as printed.
     -> (rows, the texts the report quotes: measured / predicted cycle, measured verify)."""
     iso = ev.get("isolated_ms") or {}
     over = ev.get("overhead_ms")
@@ -189,8 +191,8 @@ def cycle_phases(ev: dict, depth: int) -> tuple[list[list], dict]:
     predicted = [None, iso.get("verify_ms"), None]
     if iso.get("verify_ms") is not None and iso.get("draft_ms_per_step") is not None:
         predicted = [depth * iso["draft_ms_per_step"], iso["verify_ms"], over or 0.0]
-    raw = [sum(c) for c in (measured, predicted) if None not in c]
-    places = decimals(max(raw), sig=3) if raw else 1
+    totals = [sum(c) for c in (measured, predicted) if None not in c]
+    places = decimals(min(totals), sig=3) if totals else 1
 
     def column(c):
         shown = [None if v is None else rounded(v, places) for v in c]

@@ -26,13 +26,14 @@ def fmt(v, spec: str = "{:.2f}") -> str:
 
 def decimals(value: float | None, lo: float | None = None, hi: float | None = None, sig: int = 3) -> int:
     """Decimal places a figure can carry. A median over repeats: those of the leading digit of half its min–max
-    range (the digits below it are noise); a figure without a range (or with none in it): `sig` significant
-    digits. Negative means tens, hundreds, … (173.1 over 167.2–179.4: 0; 647 over 600–900: -2)."""
+    range (the digits below it are noise), but never fewer than two significant digits of the median itself (its
+    range, printed beside it, says the rest); a figure without a range (or with none in it): `sig` significant
+    digits. Negative means tens, hundreds, … (173.1 over 167.2–179.4: 0; 647 over 600–900: -1, "650")."""
+    lead = None if not value else math.floor(math.log10(abs(value)))
     if lo is not None and hi is not None and hi > lo:
-        return -math.floor(math.log10((hi - lo) / 2))
-    if not value:
-        return 0
-    return sig - 1 - math.floor(math.log10(abs(value)))
+        spread = -math.floor(math.log10((hi - lo) / 2))
+        return spread if lead is None else max(spread, 1 - lead)
+    return 0 if lead is None else sig - 1 - lead
 
 
 def rounded(value: float, places: int) -> float:
@@ -50,7 +51,8 @@ def at(value: float | None, places: int) -> str:
 
 def figure(value: float | None, lo: float | None = None, hi: float | None = None, sig: int = 3) -> str:
     """A measured figure to the precision its spread supports (decimals): 173.1 over 167.2–179.4 → "173",
-    5.657 over 5.496–5.657 → "5.66"; without a range, `sig` significant digits (195.07 → "195")."""
+    5.657 over 5.496–5.657 → "5.66", 0.742 over 0.6–4.8 → "0.74"; without a range, `sig` significant digits
+    (195.07 → "195")."""
     return at(value, decimals(value, lo, hi, sig))
 
 
