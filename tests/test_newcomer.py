@@ -135,3 +135,16 @@ def test_config_only_tensor_differences_say_they_are_implied(capsys, fixtures_di
     assert any(f["code"] == "config_only" for f in r["findings"])
     td = [f for f in r["findings"] if f["code"] == "tensors_differ"]
     assert td and all(f["message"].startswith("as the configs imply (no weights read)") for f in td)
+
+
+def test_readme_and_sample_report_use_a_users_words():
+    """No project-internal names ("the seed's numbers") and no placeholder paths a newcomer cannot fill: every
+    example runs on files the README's own commands make."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    for doc in (root / "README.md", root / "docs" / "demo-report" / "report.md"):
+        text = doc.read_text(encoding="utf-8")
+        assert not re.search(r"\bthe seed\b|\bseed's\b|\bsession\b", text, re.I), doc
+        assert "path/to/" not in text, doc
