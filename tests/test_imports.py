@@ -1,7 +1,7 @@
 """The package's layering, read from the source (AST) so lazy imports inside functions count too.
 
 Rules (docs/internals.md, "the map of the house"):
-1. The torch-free modules — `check/`, the root helpers (`economics`, `errors`, `safeio`), `cli`, the engines'
+1. The torch-free modules — `check/`, the root helpers (`economics`, `errors`, `progress`, `safeio`), `cli`, the engines'
    flags (`decode/options`, `train/config`) and the verbs `check`, `economics` and the flag builder
    (`verbs/flags`) — import no torch, transformers or matplotlib: not directly (lazy imports included), and
    not through any draftport module they import. `draftport check` and `economics` answer in well under a
@@ -27,7 +27,7 @@ import draftport
 
 HEAVY = ("torch", "transformers", "matplotlib")
 ROOT = pathlib.Path(draftport.__file__).parent
-HELPERS = ("economics", "errors", "interrupt", "safeio")  # root modules every part may import
+HELPERS = ("economics", "errors", "interrupt", "progress", "safeio")  # root modules every part may import
 LAYERS = {"check": 0, "data": 1, "model": 1, "decode": 2, "capture": 3, "serving": 3, "train": 4, "study": 5, "verbs": 6,
           "cli": 7, "__main__": 8}
 LEAVES = ("draftport.decode.options",)          # torch-free flag modules every part may read

@@ -222,3 +222,16 @@ def test_every_verb_on_bad_input_exits_2_in_one_line_and_leaves_nothing(tmp_path
         assert os.listdir(cwd) == [], (argv, os.listdir(cwd))  # no draftport-runs/<verb>-<time>/, no draftport-runs/
         assert sorted(p.relative_to(inputs) for p in inputs.rglob("*")) == before, argv
     assert (inputs / "a-file").read_text() == "mine\n"
+
+
+def test_readme_and_sample_report_use_a_users_words():
+    """No project-internal names ("the seed's numbers") and no placeholder paths a newcomer cannot fill: every
+    example runs on files the README's own commands make."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    for doc in (root / "README.md", root / "docs" / "demo-report" / "report.md"):
+        text = doc.read_text(encoding="utf-8")
+        assert not re.search(r"\bthe seed\b|\bseed's\b|\bsession\b", text, re.I), doc
+        assert "path/to/" not in text, doc

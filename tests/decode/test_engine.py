@@ -296,6 +296,30 @@ def test_eos_stops_and_max_new_tokens_truncates(targets):
     assert res.token_ids == ref[:6]
 
 
+def test_on_tokens_streams_exactly_the_result_cycle_by_cycle(targets):
+    """generate's on_tokens: the prefill's token, then each cycle's new tokens, cut as the result is (at the eos
+    and at max_new_tokens): joined, they are the result, on every path (plain, chain, tree, prompt lookup)."""
+    from draftport.decode.ngram import PromptLookup
+
+    t = targets["llama"]
+    prompt = _prompt(6)
+    ref = _reference(t, prompt)
+    stop = ref[9]
+    engines = [SpecEngine(t, None, CONFIGS["chain3"]), SpecEngine(t, OracleDrafter(t, prompt[0]), CONFIGS["chain3"]),
+               SpecEngine(t, random_drafter(t), CONFIGS["tree-k2d3n6"]),
+               SpecEngine(t, None, CONFIGS["chain3"], lookup=PromptLookup())]
+    for eng in engines:
+        for n, eos in ((NEW, None), (6, None), (NEW, [stop])):
+            calls = []
+            res = eng.generate(prompt, n, eos_ids=eos, on_tokens=calls.append)
+            assert [tok for c in calls for tok in c] == res.token_ids
+            assert len(calls[0]) == 1 and all(calls) and len(calls) == res.cycles + 1
+    # a chain that accepts everything hands over whole cycles: 4 tokens a call, the last one cut to fit
+    calls = []
+    engines[1].generate(prompt, 10, on_tokens=calls.append)
+    assert [len(c) for c in calls] == [1, 4, 4, 1]
+
+
 def test_sampling_speculation_is_seeded(targets):
     t = targets["gemma3"]
     prompt = _prompt(7)

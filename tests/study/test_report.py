@@ -105,3 +105,49 @@ def test_committed_gpu_study_renders_with_every_plot_in_chromium(tmp_path, chrom
     drawn = chromium_images(html)
     assert len(drawn) == page.count("<img") >= 3 and "broken" not in drawn, drawn
     assert "τ" in Path(md).read_text()
+
+
+def test_figures_carry_the_digits_their_spread_supports():
+    from draftport.study.report import decimals, figure, rounded
+
+    assert figure(173.1, 167.2, 179.4) == "173"      # ± 6 ms: whole milliseconds
+    assert figure(5.657, 5.496, 5.657) == "5.66"     # ± 0.08: hundredths
+    assert figure(647.0, 600.0, 900.0) == "650"      # ± 150: hundreds, but two digits of the median at least
+    assert figure(0.742, 0.6, 4.8) == "0.74" and figure(1400.0, 1400.0, 2100.0) == "1400"
+    assert figure(105.0, 90.0, 130.0) == "110"       # rounded half up, as a reader rounds
+    assert figure(195.07) == "195" and figure(0.97) == "0.970" and figure(12345.0) == "12300"  # no range: 3 digits
+    assert figure(2.0, 2.0, 2.0) == "2.00" and figure(0.0) == "0" and figure(None) == "–"
+    assert decimals(11.92, 11.62, 11.96) == 1 and rounded(0.125, 2) == 0.13
+
+
+def test_warnings_and_the_verdict_lead_the_summary(tmp_path):
+    rep = Report("r", summary=["Prompt lookup is the fastest here.", "Details."], warnings=["Other work shared it."],
+                 sections=[Section("1. s", tables=[Table(["a", "b"], [["x", "173"]])])])
+    md_path, html_path = write_report(rep, str(tmp_path))
+    md = open(md_path, encoding="utf-8").read()
+    assert md.index("fastest here") < md.index("**Warning:** Other work") < md.index("Details.") < md.index("## 1. s")
+    page = open(html_path, encoding="utf-8").read()
+    summary = page.split('<div class="summary">')[1].split("</div>")[0]
+    assert summary.index('class="verdict"') < summary.index('class="warning"') < summary.index("Details.")
+    assert '<td class="num">173</td>' in page   # a figure formatted as text still aligns as a number
+
+
+def test_predicted_bars_are_drawn_as_predictions(tmp_path):
+    """The tok/s chart: a predicted bar is pale and hatched, with a legend and a note saying it is not measured."""
+    from PIL import Image as PILImage
+
+    from draftport.study.plots import MEASURED_COLOUR, PREDICTED_COLOUR, plot_bars
+
+    bars = {"no speculation": 11.8, "drafter": 5.6, "prompt lookup": 18.8, "predicted (drafter)": 24.0}
+    png = plot_bars(bars, tmp_path / "b.png", title="t", ylabel="tok/s", predicted=["predicted (drafter)"],
+                    note="predicted: not a measurement")
+    def count(path, hexrgb):
+        rgb = tuple(int(hexrgb[i:i + 2], 16) for i in (1, 3, 5))
+        return sum(n for n, c in PILImage.open(path).convert("RGB").getcolors(maxcolors=1 << 20) if c == rgb)
+
+    assert count(png, PREDICTED_COLOUR) > 500 and count(png, MEASURED_COLOUR) > 2000
+    plain = plot_bars({k: v for k, v in bars.items() if k != "predicted (drafter)"}, tmp_path / "p.png", title="t",
+                      ylabel="tok/s")
+    assert count(plain, PREDICTED_COLOUR) == 0 and count(plain, MEASURED_COLOUR) > 2000
+    with pytest.raises(DraftportError, match="predicted bars"):
+        plot_bars({"a": 1.0}, tmp_path / "x.png", title="t", ylabel="y", predicted=["b"])

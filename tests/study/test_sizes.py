@@ -116,10 +116,17 @@ def test_report_states_sizes_in_tokens_and_samples(tmp_path):
     md = open(md_path, encoding="utf-8").read()
     assert "125k = 500 samples, 125,040 tokens" in md and "2M = 8,000 samples, 2,000,040 tokens" in md
     assert "2 epochs" in md and "transfer reaches it at 1M tokens" in md and "Goal ≤ 1/4: not met" in md
-    assert "Best drafter on B: transfer on 2M tokens (8,000 samples)" in md
+    assert ("The best drafter on B is transfer on 2M tokens (8,000 samples): τ 1.70, 850 tok/s against 550 tok/s "
+            "without speculation; it pays") in md.split("\n\n")[1]                  # the verdict leads
     assert "| transfer | 1M | 4000 | 1000040 | 10 | 2 | 1.72 | 1.62 | 1.48 | 1.92 |" in md  # size as asked beside the subset trained on
     assert "τ hybrid" in md and os.path.getsize(tmp_path / "accept_vs_data.png") > 1000
     json.dumps(summary)  # every figure JSON-able (summary.json)
+    slow = _rows([1.0, 1.01, 1.02, 1.03], [1.0, 1.0, 1.0, 1.0])  # 500-515 tok/s against 550: nothing pays
+    slow[0].update(accept_len=1.0, tok_s=500.0, pays_measured=False)     # the plug-in row neither
+    md_path, _ = study_report({**summary, "rows": slow, "data_ratio": transfer_data_ratio(slow)}, str(tmp_path / "s"))
+    assert md_path and open(md_path, encoding="utf-8").read().split("\n\n")[1] == (
+        "No drafter pays on B here: the best, transfer on 2M tokens (8,000 samples), reaches τ 1.03 and 515 tok/s "
+        "against 550 tok/s without speculation.")
 
 
 def test_a_target_no_serving_engine_runs_is_studied_not_refused():

@@ -281,7 +281,7 @@ def test_eval_ctrl_c_keeps_the_prompts_done_and_the_rerun_decodes_the_rest(eval_
     monkeypatch.undo()
     decoded = []
     real = eval_verb.prompt_record
-    monkeypatch.setattr(eval_verb, "prompt_record", lambda run, i, *a: decoded.append(i) or real(run, i, *a))
+    monkeypatch.setattr(eval_verb, "prompt_record", lambda run, i, *a, **kw: decoded.append(i) or real(run, i, *a, **kw))
     err = finishes(argv(out), capsys)
     assert decoded == [1, 2] and "1 of 3 prompts decoded by an earlier run" in " ".join(err.split())
     same_eval(out, rows, summary)

@@ -34,8 +34,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from rich.console import Console
-from rich.progress import BarColumn, Progress, ProgressColumn, TextColumn, TimeRemainingColumn
-from rich.text import Text
 
 from draftport.capture import regenerate as regen_mod
 from draftport.check.layers import validate_aux_ids
@@ -49,6 +47,7 @@ from draftport.economics import bytes_per_token, bytes_per_token_sum
 from draftport.errors import DraftportError, bad_input
 from draftport.interrupt import Interrupted
 from draftport.model.target import load_target
+from draftport.progress import progress_bar
 from draftport.safeio import atomic_write_json, read_json
 
 DEFAULT_MAX_LEN = 2048
@@ -103,21 +102,6 @@ class CaptureConfig:
     store_dtype: str = "bf16"          # how the states are stored: bf16 | fp8 (e4m3 + an fp32 scale per token and
                                        # state: half the disk; data/store.py's docstring)
     json: bool = False                 # print the summary as one JSON object on stdout
-
-
-class _Rate(ProgressColumn):
-    def __init__(self, unit: str):
-        super().__init__()
-        self.unit = unit
-
-    def render(self, task) -> Text:
-        rate = task.completed / task.elapsed if task.elapsed else 0.0
-        return Text(f"{rate:,.0f} {self.unit}/s", style="progress.data.speed")
-
-
-def _progress(console: Console, unit: str = "tok") -> Progress:
-    return Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed:,}/{task.total:,}"),
-                    _Rate(unit), TimeRemainingColumn(), console=console)
 
 
 def human_bytes(n: float) -> str:
@@ -215,7 +199,7 @@ def regenerate_into(out: str, target, convs, request: dict, console: Console, *,
     # rows inside a chunk, so a chunk of several batches keeps them full until its last answers.
     chunk = max(REGEN_CHUNK, B) if engine == "hf" else max(REGEN_CHUNK, REGEN_CHUNK_BATCHES * B)
     generator = None
-    with _progress(console, unit="prompt") as progress:
+    with progress_bar(console, unit="prompt") as progress:
         task = progress.add_task("regenerating", total=len(convs))
         for ci, s in enumerate(range(0, len(convs), chunk)):
             path = os.path.join(regen_dir, f"chunk-{ci:05d}.jsonl")
@@ -240,7 +224,7 @@ def tokenize_all(tokenizer, convs, chat_template, max_len, console: Console):
     """-> (ids: list[int32 array], masks: list[uint8 array], skipped). Drops samples with no loss token."""
     ids, masks, skipped = [], [], 0
     step = 1024  # conversations a progress update (tokenize_conversations batches them for the tokenizer)
-    with _progress(console, unit="conv") as progress:
+    with progress_bar(console, unit="conv") as progress:
         task = progress.add_task("tokenizing", total=len(convs))
         for s in range(0, len(convs), step):
             part = convs[s:s + step]
@@ -548,7 +532,7 @@ def run_capture(cfg: CaptureConfig, target=None, console: Console | None = None,
         progress.advance(task, n)
 
     try:
-        with _progress(console) as progress:
+        with progress_bar(console, unit="tok") as progress:
             task = progress.add_task("capturing", total=remaining)
 
             def hf_shards():

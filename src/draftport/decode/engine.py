@@ -33,6 +33,7 @@ import contextlib
 import inspect
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -291,11 +292,14 @@ class SpecEngine:
 
     # -- generation ---------------------------------------------------------------------------
     @torch.no_grad()
-    def generate(self, prompt_ids, max_new_tokens: int, eos_ids=None, seed: int | None = None) -> GenerationResult:
+    def generate(self, prompt_ids, max_new_tokens: int, eos_ids=None, seed: int | None = None,
+                 on_tokens: Callable[[list[int]], None] | None = None) -> GenerationResult:
         """Generate up to max_new_tokens after prompt_ids ([P] or [1, P] ints); stops after an eos id.
 
         Sampling draws from the engine's generator, reseeded each call with `seed` (default cfg.seed),
-        so a call is reproducible on its own."""
+        so a call is reproducible on its own. on_tokens, when given, is called with the prefill's token and
+        then with each cycle's new tokens, as they are decided (the ones the result keeps: cut at the eos
+        and at max_new_tokens); its time counts in timings.total_s."""
         t_start = time.perf_counter()
         prompt = torch.as_tensor(prompt_ids, dtype=torch.long).reshape(-1).to(self.device)
         P = prompt.shape[0]
@@ -312,6 +316,8 @@ class SpecEngine:
             state = self._drafter_prefill(prompt, last, state)
         ng = self._lookup_start(prompt, last) if self.lookup is not None else None
         timings = Timings(prefill_s=time.perf_counter() - t_start, first_token_s=first_token_s)
+        if on_tokens is not None:
+            on_tokens(out[:])
         accept_lens: list[int] = []
         n = P
         while len(out) < max_new_tokens and out[-1] not in eos:
@@ -325,10 +331,13 @@ class SpecEngine:
                 emitted, last, state = self._chain_cycle(last, n, state, clock)
             accept_lens.append(len(emitted))
             n += len(emitted)
+            before = len(out)
             for tok in emitted:
                 out.append(tok)
                 if tok in eos:
                     break
+            if on_tokens is not None and before < max_new_tokens:
+                on_tokens(out[before:max_new_tokens])
         timings.draft_s, timings.verify_s, timings.overhead_s = clock.split()
         timings.total_s = time.perf_counter() - t_start
         res = GenerationResult(out[:max_new_tokens], accept_lens, len(accept_lens), timings)

@@ -245,6 +245,13 @@ class EvalRun:
     def greedy(self) -> bool:
         return self.ecfg.temperature <= 0
 
+    @property
+    def decodes_per_prompt(self) -> int:
+        """Decoding runs prompt_record makes a prompt: no speculation (and unpadded), speculative, HF generate,
+        floor, hybrid."""
+        return (2 + int(self.fast_base is not None) + int(self.hf_baseline) + int(not self.ngram_only)
+                + int(self.hyb is not None))
+
 
 class EvalTally:
     """The per-prompt loop's sums: metrics.jsonl's rows, the speculative run's cycles and phase times,
@@ -316,28 +323,38 @@ def warm_up(run: EvalRun, warm: list[int]) -> None:
         hf_generate_rate(run.target, warm, min(N, 4), stops, run.ecfg.temperature, run.ecfg.top_p, run.ecfg.seed)
 
 
-def prompt_record(run: EvalRun, i: int, conv, p: list[int]) -> dict:
+def prompt_record(run: EvalRun, i: int, conv, p: list[int], tick=lambda: None) -> dict:
     """One prompt: no speculation (the reference), the speculative run against it, HF generate's rate, the floor
     and the hybrid, the offline walk on the reference outputs. Returns its share of the sums as plain JSON
-    (EvalTally.add); its "row" is the prompt's metrics.jsonl line."""
+    (EvalTally.add); its "row" is the prompt's metrics.jsonl line. tick() after each of its
+    run.decodes_per_prompt decoding runs (the verb's progress)."""
     N, k, stops = run.N, run.k, run.stops
     seed = run.ecfg.seed + i
     rb = run.base.generate(p, run.n_base, stops, seed=seed)
+    tick()
     rs = run.spec.generate(p, N, stops, seed=seed)
+    tick()
     b_times, s_times = RequestTimes.record(rb), RequestTimes.record(rs)
     fast = None
     if run.fast_base is not None:  # the unpadded plain engine: its times, and whether its text is base's
         rf = run.fast_base.generate(p, run.n_base, stops, seed=seed)
         fast = {"times": RequestTimes.record(rf), "match": prefix_match(rf.token_ids, rb.token_ids),
                 "compared": max(len(rf.token_ids), len(rb.token_ids)), "exact": rf.token_ids == rb.token_ids}
+        tick()
     ref = rb.token_ids[:N]
     m = prefix_match(rs.token_ids, ref)
     hf = None
     if run.hf_baseline:
         hf, _ = hf_generate_rate(run.target, p, N, stops, run.ecfg.temperature, run.ecfg.top_p, seed)
+        tick()
     fw, fm = lookup_walk(run.lk, p, rb.token_ids, k, N, skip_no_match=run.ecfg.ngram_no_match == "step")
     frec = RunFigures.record(rs if run.ngram_only else run.floor.generate(p, N, stops, seed=seed), ref)
-    hrec = RunFigures.record(run.hyb.generate(p, N, stops, seed=seed), ref) if run.hyb is not None else None
+    if not run.ngram_only:
+        tick()
+    hrec = None
+    if run.hyb is not None:
+        hrec = RunFigures.record(run.hyb.generate(p, N, stops, seed=seed), ref)
+        tick()
     w = None
     if run.store_result is None:
         w = fw if run.ngram_only else offline_on_outputs(run.spec, run.target, p, rb.token_ids, N)

@@ -1,4 +1,4 @@
-"""The demo's report and what it needs: the bundled example configs and the README's economics example (SEED),
+"""The demo's report and what it needs: the bundled example configs and the README's economics example,
 the training slice (first turns), the machine record, timing spreads, the prediction check, the floor tables and
 the committed GPU study's transfer section (the `demo` verb, verbs/demo.py, runs the stages and hands their
 results here).
@@ -22,11 +22,13 @@ from draftport.economics import cycle_time_ms
 from draftport.errors import bad_input
 from draftport.safeio import iter_jsonl, read_json
 from draftport.study import plots
-from draftport.study.report import Image, Report, Section, Table, fmt, write_report
+from draftport.study.report import (Image, Report, Section, Table, at, decimals, figure, fmt, rounded,
+                                    write_report)
 
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets", "examples")
-# the seed: the README's economics example (cycle time, τ, no-speculation tok/s, the goal's tok/s, chain depth)
-SEED = {"cycle_ms": 30.0, "accept_len": 2.0, "baseline_tok_s": 82.0, "target_tok_s": 150.0, "depth": 3}
+# the README's economics example (cycle time, τ, no-speculation tok/s, the goal's tok/s, chain depth): a serving
+# setup the report works through, not a measurement
+ECONOMICS_EXAMPLE = {"cycle_ms": 30.0, "accept_len": 2.0, "baseline_tok_s": 82.0, "target_tok_s": 150.0, "depth": 3}
 
 
 def first_turns(data: str, n: int, min_chars: int, max_chars: int) -> list:
@@ -60,8 +62,8 @@ def floor_tables(ev: dict) -> list:
     runs = [("this drafter", ev), (f"prompt lookup (n {fl['config']['ngram_min']}–{fl['config']['ngram_max']})", fl)]
     if ev.get("hybrid"):
         runs.append((f"hybrid (n-gram when its match ≥ {ev['hybrid']['config']['min_match']})", ev["hybrid"]))
-    rows = [[name, r.get("accept_len"), " ".join(f"{x:.2f}" for x in r.get("per_position_accept") or []),
-             r.get("tok_s"), r.get("speedup")] for name, r in runs]
+    rows = [[name, fmt(r.get("accept_len")), " ".join(f"{x:.2f}" for x in r.get("per_position_accept") or []),
+             figure(r.get("tok_s")), fmt(r.get("speedup"))] for name, r in runs]
     by = fl.get("by_match_len") or {}
     return [Table(["drafts", "τ", "per-position acceptance", "tok/s", "speedup"], rows,
                   caption=f"beside the training-free floor, {fl['config']['depth']} drafts a cycle; prompt lookup's τ "
@@ -128,12 +130,19 @@ def spread(values) -> dict | None:
     return {"median": statistics.median(vals), "min": min(vals), "max": max(vals), "n": len(vals)}
 
 
-def _spread_text(sp: dict | None, f: str = "{:.1f}", unit: str = "") -> str:
+def spread_figures(median: float | None, lo: float | None, hi: float | None) -> list[str]:
+    """[median, min, max] as text, all to the decimal places the min–max range supports (report.decimals)."""
+    d = decimals(median, lo, hi)
+    return [at(median, d), at(lo, d), at(hi, d)]
+
+
+def _spread_text(sp: dict | None, unit: str = "") -> str:
     if sp is None:
         return "–"
     if sp["n"] == 1:
-        return f.format(sp["median"]) + unit
-    return f"{f.format(sp['median'])}{unit} ({f.format(sp['min'])}–{f.format(sp['max'])}, n={sp['n']})"
+        return figure(sp["median"]) + unit
+    m, lo, hi = spread_figures(sp["median"], sp["min"], sp["max"])
+    return f"{m}{unit} ({lo}–{hi}, n={sp['n']})"
 
 
 def timing_table(ev: dict) -> tuple[list[list], list[str]]:
@@ -144,42 +153,138 @@ def timing_table(ev: dict) -> tuple[list[list], list[str]]:
     per = ev.get("per_prompt") or {}
     rows, notes = [], []
     for label, key in (("tok/s, speculative (per prompt)", "tok_s"), ("tok/s, no speculation (per prompt)",
-                                                                      "baseline_tok_s")):
+                                                                      "baseline_tok_s"),
+                       ("tok/s, prompt lookup (per prompt)", "floor_tok_s")):
         sp = spread(per.get(key))
         if sp:
-            rows.append([label, sp["median"], sp["min"], sp["max"], sp["n"]])
+            rows.append([label, *spread_figures(sp["median"], sp["min"], sp["max"]), sp["n"]])
     n = (ev.get("config") or {}).get("timing_repeats")
     for label, key in (("decode step ms (isolated)", "decode_step_ms"), ("verify ms (isolated)", "verify_ms"),
                        ("draft step ms (isolated)", "draft_step_ms")):
         if iso.get(key) is not None:
             lo, hi = ranges.get(key) or (None, None)
-            rows.append([label, iso[key], lo, hi, n])
+            rows.append([label, *spread_figures(iso[key], lo, hi), n])
     base = ev.get("baseline_tok_s")
     if base and iso.get("decode_step_ms"):
         per_token = 1000.0 / base
         ratio = iso["decode_step_ms"] / per_token
         if not 1 / CONTENDED_RATIO <= ratio <= CONTENDED_RATIO:
-            notes.append(f"The isolated decode step ({iso['decode_step_ms']:.1f} ms) and the no-speculation decoding's "
-                         f"own time per token ({per_token:.1f} ms, {base:.1f} tok/s) differ by {max(ratio, 1 / ratio):.1f}×: "
-                         "on an idle machine they agree, so other work shared the CPU during one of them. Compare "
-                         "figures of this run with care, or rerun on an idle machine (`draftport demo --restart`).")
+            notes.append(f"The isolated decode step ({figure(iso['decode_step_ms'])} ms) and the no-speculation "
+                         f"decoding's own time per token ({figure(per_token)} ms, {figure(base)} tok/s) differ by "
+                         f"{max(ratio, 1 / ratio):.1f}×: on an idle machine they agree, so other work shared the "
+                         "machine during one of them. Compare figures of this run with care, or rerun on an idle "
+                         "machine (`draftport demo --restart`).")
     return rows, notes
+
+
+def cycle_phases(ev: dict, depth: int) -> tuple[list[list], dict]:
+    """The cycle, phase by phase: measured while decoding (mean per cycle) and predicted from the isolated
+    timings (the prediction's cycle: isolated verify + the isolated draft phase, depth × draft_ms_per_step, + the
+    measured overhead).
+    Every phase that enters a sum is a row, all at one precision (three significant digits of the shorter
+    cycle, so the overhead both share shows as one figure), and each cycle is the sum of its rows as shown, so
+    the table adds up as printed.
+    -> (rows, the texts the report quotes: measured / predicted cycle, measured verify)."""
+    iso = ev.get("isolated_ms") or {}
+    over = ev.get("overhead_ms")
+    measured = [ev.get("draft_ms"), ev.get("verify_ms"), over]
+    predicted = [None, iso.get("verify_ms"), None]
+    if iso.get("verify_ms") is not None and iso.get("draft_ms_per_step") is not None:
+        predicted = [depth * iso["draft_ms_per_step"], iso["verify_ms"], over or 0.0]
+    totals = [sum(c) for c in (measured, predicted) if None not in c]
+    places = decimals(min(totals), sig=3) if totals else 1
+
+    def column(c):
+        shown = [None if v is None else rounded(v, places) for v in c]
+        return [at(v, places) for v in shown], (at(sum(shown), places) if None not in shown else "–")
+
+    (m_rows, m_total), (p_rows, p_total) = column(measured), column(predicted)
+    labels = [f"draft phase (extend + {depth - 1} draft steps)", f"verify ({depth + 1} tokens through the target)",
+              "overhead (accept, bookkeeping; measured, in both)"]
+    rows = [[lab, m, p] for lab, m, p in zip(labels, m_rows, p_rows)] + [["cycle (the sum)", m_total, p_total]]
+    return rows, {"measured": m_total, "predicted": p_total, "verify": m_rows[1]}
 
 
 def prediction_errors(ev: dict, depth: int) -> list[list]:
     """The prediction's two inputs checked separately: cycle time (isolated steps vs the decoding's own
-    cycles) and τ (offline vs online); their errors can cancel in the tok/s figure."""
+    cycles, as cycle_phases shows them) and τ (offline vs online); their errors can cancel in the tok/s figure.
+    Figures as text at the precision they carry; errors as signed whole percentages."""
     iso = ev.get("isolated_ms") or {}
     pred_cycle = None
     if iso.get("verify_ms") is not None and iso.get("draft_ms_per_step") is not None:
         pred_cycle = cycle_time_ms(iso["verify_ms"], iso["draft_ms_per_step"], depth, ev.get("overhead_ms") or 0.0)
+    _, shown = cycle_phases(ev, depth)
+    pct = lambda e: None if e is None else f"{e:+.0%}"  # noqa: E731  (timings this noisy carry no decimals)
     return [
-        ["cycle ms", "isolated verify + depth × draft step + overhead", pred_cycle, ev.get("cycle_ms"),
-         rel_err(pred_cycle, ev.get("cycle_ms"))],
-        ["τ", "offline τ on the capture store", ev.get("offline_accept_len"), ev.get("accept_len"),
-         ev.get("offline_rel_err")],
-        ["tok/s", "τ / cycle", ev.get("predicted_tok_s"), ev.get("tok_s"), ev.get("predicted_rel_err")],
+        ["cycle ms", "isolated verify + draft phase + overhead (table above)", shown["predicted"], shown["measured"],
+         pct(rel_err(pred_cycle, ev.get("cycle_ms")))],
+        ["τ", "offline τ on the capture store", at(ev.get("offline_accept_len"), 2), at(ev.get("accept_len"), 2),
+         pct(ev.get("offline_rel_err"))],
+        ["tok/s", "τ / cycle", figure(ev.get("predicted_tok_s")), figure(ev.get("tok_s")),
+         pct(ev.get("predicted_rel_err"))],
     ]
+
+
+NO_SPECULATION, DRAFTER = "decoding without speculation", "the drafter trained in this run"
+
+
+def _rates(ev: dict) -> list[tuple[str, float, dict | None]]:
+    """(name, tok/s, per-prompt spread) of each way of decoding the eval measured, no speculation first."""
+    per = ev.get("per_prompt") or {}
+    runs = [(NO_SPECULATION, ev.get("baseline_tok_s"), spread(per.get("baseline_tok_s"))),
+            (DRAFTER, ev.get("tok_s"), spread(per.get("tok_s"))),
+            ("prompt lookup (no training)", (ev.get("floor") or {}).get("tok_s"), spread(per.get("floor_tok_s"))),
+            ("the hybrid", (ev.get("hybrid") or {}).get("tok_s"), None)]
+    return [r for r in runs if r[1]]
+
+
+def verdict(ev: dict) -> str:
+    """The report's first sentence, from the run's own rates: which way of decoding is fastest here, by how
+    much against no speculation, whether the trained drafter pays, and whether the order is within noise."""
+    runs = _rates(ev)
+    if not runs or not ev.get("baseline_tok_s"):
+        return "No rate was measured: the eval did not decode."
+    base = ev["baseline_tok_s"]
+    ranked = sorted(runs, key=lambda r: r[1], reverse=True)
+    best, others = ranked[0], [r for r in runs if r is not ranked[0]]
+    name = best[0][0].upper() + best[0][1:]
+    if best[0] == NO_SPECULATION:
+        text = (f"{name} is the fastest here ({figure(base)} tok/s): speculation does not pay on this machine; "
+                + ", ".join(f"{n} reaches {v / base:.2f}× its speed ({figure(v)} tok/s)" for n, v, _ in others) + ".")
+    else:
+        text = f"{name} is the fastest here: {figure(best[1])} tok/s, {best[1] / base:.2f}× decoding without " \
+               f"speculation ({figure(base)} tok/s)"
+        tok_s, speedup = ev.get("tok_s"), ev.get("speedup")
+        if best[0] == DRAFTER:
+            text += "; the drafter pays."
+        elif tok_s and speedup:
+            text += (f"; the drafter trained in this run {'pays too' if speedup > 1 else 'does not pay on this machine'}"
+                     f" ({figure(tok_s)} tok/s, {speedup:.2f}×).")
+        else:
+            text += "."
+    second = ranked[1] if len(ranked) > 1 else None
+    if second and best[2] and second[2] and best[2]["min"] <= second[2]["max"]:
+        text += (f" The per-prompt rates of {best[0]} and {second[0]} overlap, so that order is within this "
+                 "run's noise.")
+    return text
+
+
+def lossless_line(ev: dict) -> str:
+    """The lossless check: greedy speculative decoding must give the target's own greedy text."""
+    m, exact, n = ev.get("match_rate"), ev.get("exact_match_prompts"), ev.get("num_prompts")
+    if m is None:
+        return ("Lossless check: not made (the decoding sampled, so texts differ by design; speculative sampling "
+                "keeps the target's distribution instead).")
+    same = f"{round(exact * n)} of {n} prompts" if exact is not None and n else "the prompts"
+    fl = ev.get("floor") or {}
+    both = f"greedy match {m:.4f} of tokens" + (f"; prompt lookup {fl['match_rate']:.4f}"
+                                                if fl.get("match_rate") is not None else "")
+    if m == 1 and fl.get("match_rate") in (None, 1):
+        return (f"Lossless check: greedy speculative decoding must write the target's own text, and it did: the "
+                f"drafter's text equals decoding without speculation on {same} ({both}).")
+    return (f"Lossless check: greedy speculative decoding must write the target's own text; here the drafter's text "
+            f"equals decoding without speculation on {same} ({both}). In fp32 the texts must not part; in bf16 a "
+            f"near-tie can round differently.")
 
 
 def transfer_section(study_path: str = GPU_STUDY):
@@ -215,27 +320,33 @@ def demo_report(s: dict, out: str) -> tuple[str, str]:
     """report.md + report.html from the demo's summary; every figure comes from this run's stages, except
     section 6, which says it is the committed GPU study."""
     ev, tr, cap, chk, eco = s["eval"], s["train"], s["capture"], s["check"], s["economics"]
-    chain = eco["chain"]
+    chain, ex = eco["chain"], ECONOMICS_EXAMPLE
+    depth = s.get("depth") or ex["depth"]
     per = ev.get("per_prompt") or {}
     sp_tok, sp_base = spread(per.get("tok_s")), spread(per.get("baseline_tok_s"))
     n_prompts = s["eval_prompts"]
+    phases, cycle = cycle_phases(ev, depth)
+    t_rows, warnings = timing_table(ev)
+    fl = ev.get("floor") or {}
     lines = [
-        f"Speculative decoding of {s['target']} with the drafter trained in this run: {fmt(ev.get('tok_s'), '{:.1f}')} "
-        f"tok/s against {fmt(ev.get('baseline_tok_s'), '{:.1f}')} tok/s without speculation "
-        f"(speedup {fmt(ev.get('speedup'))}×), τ = {fmt(ev.get('accept_len'))} tokens per cycle on "
-        f"{n_prompts} {s['prompts']} prompts (per prompt: {_spread_text(sp_tok)} vs {_spread_text(sp_base)} tok/s, "
-        f"median and range); predicted from the measured draft and verify times and the offline τ: "
-        f"{fmt(ev.get('predicted_tok_s'), '{:.1f}')} tok/s (its cycle-time and τ errors are in section 5)."
-        + (f" Training-free prompt lookup on the same prompts: τ {fmt(ev['floor'].get('accept_len'))}, "
-           f"{fmt(ev['floor'].get('tok_s'), '{:.1f}')} tok/s." if ev.get("floor") else ""),
+        verdict(ev),
+        lossless_line(ev),
+        f"Speculative decoding of {s['target']} with the drafter trained in this run: {_spread_text(sp_tok)} tok/s "
+        f"against {_spread_text(sp_base)} tok/s without speculation per prompt (median, range and count), τ = "
+        f"{fmt(ev.get('accept_len'))} tokens per cycle on {n_prompts} {s['prompts']} prompts; predicted from the "
+        f"isolated draft and verify times and the offline τ: {figure(ev.get('predicted_tok_s'))} tok/s (a "
+        f"prediction, not a measurement: its cycle-time and τ errors are in section 5)."
+        + (f" Training-free prompt lookup on the same prompts: τ {fmt(fl.get('accept_len'))}, "
+           f"{figure(fl.get('tok_s'))} tok/s." if fl else ""),
         f"The drafter learned from {cap['num_samples']} {s['data']} conversations"
         + (" whose answers the target regenerated itself" if s["regenerate"] else "")
         + f" ({cap['num_tokens']:,} tokens), {tr.get('steps')} training steps.",
-        f"The seed's numbers: a {SEED['cycle_ms']:g} ms cycle at τ {SEED['accept_len']:g} gives "
-        f"{chain['tok_s']:.1f} tok/s against {SEED['baseline_tok_s']:g} without speculation; break-even needs τ "
-        f"{chain['break_even_accept_len']:.2f}, and {SEED['target_tok_s']:g} tok/s needs τ "
-        f"{chain['required_accept_len']:.2f} — {'reachable' if chain['reachable'] else 'out of reach'} for a "
-        f"depth-{SEED['depth']} chain (at most τ {SEED['depth'] + 1}).",
+        f"An example serving setup, worked through (not measured here; `draftport economics` in the README): a "
+        f"{ex['cycle_ms']:g} ms cycle at τ {ex['accept_len']:g} gives {chain['tok_s']:.1f} tok/s against "
+        f"{ex['baseline_tok_s']:g} without speculation; break-even needs τ {chain['break_even_accept_len']:.2f}, and "
+        f"{ex['target_tok_s']:g} tok/s needs τ {chain['required_accept_len']:.2f} — "
+        f"{'reachable' if chain['reachable'] else 'out of reach'} for a depth-{ex['depth']} chain (at most τ "
+        f"{ex['depth'] + 1}).",
         f"Check: the Kimi-K2 drafter as a replacement for the DeepSeek-V3 drafter is "
         f"{chk['replace']['verdict']}; the DeepSeek-V3 drafter on its target is {chk['fit']['target_verdict']}.",
         "Will it transfer: not measured in this run (it needs a fine-tuned copy of the target, which does not fit "
@@ -256,13 +367,16 @@ def demo_report(s: dict, out: str) -> tuple[str, str]:
         tables=[Table(["check", "severity", "finding", "engine", "message"], rows)]))
 
     econ_rows = []
-    for key, label in (("chain", f"depth {SEED['depth']}"), ("unbounded", "unbounded depth")):
+    for key, label in (("chain", f"depth {ex['depth']}"), ("unbounded", "unbounded depth")):
         e = eco[key]
         econ_rows.append([label, e["tok_s"], e.get("speedup"), e["break_even_accept_len"], e["required_accept_len"],
                           e.get("required_alpha"), "yes" if e["reachable"] else "no", e["min_depth"]])
-    secs.append(Section("2. Will speculation pay? (the seed's numbers)", paragraphs=[
-        f"Cycle {SEED['cycle_ms']:g} ms, τ {SEED['accept_len']:g}, baseline {SEED['baseline_tok_s']:g} tok/s, goal "
-        f"{SEED['target_tok_s']:g} tok/s."],
+    secs.append(Section("2. Will speculation pay? (an example setup, not measured here)", paragraphs=[
+        f"A serving setup the economics work through: cycle {ex['cycle_ms']:g} ms, τ {ex['accept_len']:g}, "
+        f"{ex['baseline_tok_s']:g} tok/s without speculation, a goal of {ex['target_tok_s']:g} tok/s "
+        f"(`draftport economics --cycle-ms {ex['cycle_ms']:g} --accept-len {ex['accept_len']:g} --baseline-tok-s "
+        f"{ex['baseline_tok_s']:g} --target-tok-s {ex['target_tok_s']:g}`). Section 5 applies the same arithmetic to "
+        f"this run's measured cycle."],
         tables=[Table(["chain", "tok/s", "speedup", "break-even τ", "τ for goal", "α for goal", "reachable",
                        "min depth"], econ_rows)]))
 
@@ -288,43 +402,50 @@ def demo_report(s: dict, out: str) -> tuple[str, str]:
         tr_sec.images.append(Image(os.path.basename(png), "training loss (TTT, weighted over steps)"))
     secs.append(tr_sec)
 
+    lo_hi = lambda sp: (sp["min"], sp["max"]) if sp else (None, None)  # noqa: E731
     ev_sec = Section("5. Speculative decoding against no speculation", tables=[Table(
-        ["τ online", "tok/s", "baseline tok/s", "speedup", "predicted tok/s", "offline τ, all captured samples",
-         "cycle ms", "verify ms", "draft ms"],
-        [[ev.get(k) for k in ("accept_len", "tok_s", "baseline_tok_s", "speedup", "predicted_tok_s",
-                              "offline_accept_len", "cycle_ms", "verify_ms", "draft_ms")]], float_format="{:.4g}")])
+        ["τ online", "tok/s", "tok/s without speculation", "speedup", "predicted tok/s (not measured)",
+         "offline τ, all captured samples"],
+        [[fmt(ev.get("accept_len")), figure(ev.get("tok_s"), *lo_hi(sp_tok)),
+          figure(ev.get("baseline_tok_s"), *lo_hi(sp_base)), fmt(ev.get("speedup")), figure(ev.get("predicted_tok_s")),
+          fmt(ev.get("offline_accept_len"))]])])
     ev_sec.tables += floor_tables(ev)
     ev_sec.paragraphs.append(
         "Two offline τ figures appear in this report, from different samples: section 4's is simulated by "
         "training on the held-out validation samples; this section's is a greedy walk of the drafter over every "
         "captured sample (most of which it trained on, so it is the higher one). The online τ is what decoding "
         "the eval prompts measured.")
-    ev_sec.tables.append(Table(["prediction", "from", "predicted", "measured", "error"],
-                               prediction_errors(ev, s.get("depth") or SEED["depth"]),
+    ev_sec.tables.append(Table(["cycle phase, ms", "measured while decoding (mean per cycle)",
+                                "predicted from isolated timings"], phases,
+                               caption="one speculative cycle, every phase that enters its time; each cycle is the "
+                                       "sum of the rows above it"))
+    ev_sec.tables.append(Table(["prediction", "from", "predicted", "measured", "error"], prediction_errors(ev, depth),
                                caption="the prediction's inputs checked one by one: a cycle-time error and a τ error "
-                                       "can cancel in the tok/s figure", float_format="{:.4g}"))
-    for r in ev_sec.tables[-1].rows:  # errors as signed percentages
-        r[4] = None if r[4] is None else f"{r[4]:+.1%}"
-    t_rows, t_notes = timing_table(ev)
+                                       "can cancel in the tok/s figure"))
     ev_sec.tables.append(Table(["timing (repeated)", "median", "min", "max", "repeats"], t_rows,
                                caption="decode rates per prompt (each prompt one repeat) and isolated step times "
-                                       "over repeated calls", float_format="{:.4g}"))
-    ev_sec.paragraphs += t_notes
+                                       "over repeated calls, each to the digits its range supports"))
     if ev.get("per_position_accept") and ev.get("accept_hist"):
         png = plots.plot_acceptance(ev["per_position_accept"], ev["accept_hist"], os.path.join(out, "acceptance.png"),
                                     accept_len=ev.get("accept_len"))
         ev_sec.images.append(Image(os.path.basename(png), "per-position acceptance and τ histogram"))
-    bars = {k: ev[v] for k, v in (("no speculation", "baseline_tok_s"), ("speculative", "tok_s"),
-                                  ("predicted", "predicted_tok_s")) if ev.get(v) is not None}
+    predicted = "predicted (drafter)"
+    bars = {k: v for k, v in (("no speculation", ev.get("baseline_tok_s")), ("drafter", ev.get("tok_s")),
+                              ("prompt lookup", fl.get("tok_s")), ("hybrid", (ev.get("hybrid") or {}).get("tok_s")),
+                              (predicted, ev.get("predicted_tok_s"))) if v is not None}
     if bars:
-        png = plots.plot_bars(bars, os.path.join(out, "tok_s.png"), title="tokens/s on this machine", ylabel="tok/s")
-        ev_sec.images.append(Image(os.path.basename(png), "tokens/s"))
+        png = plots.plot_bars(bars, os.path.join(out, "tok_s.png"), title="tokens/s on this machine", ylabel="tok/s",
+                              predicted=[predicted] if predicted in bars else [],
+                              note="predicted: offline τ ÷ the cycle predicted from isolated step times (section 5); "
+                                   "not a measurement")
+        ev_sec.images.append(Image(os.path.basename(png), "tokens/s: measured bars, and the drafter's prediction "
+                                                          "(hatched, not measured)"))
     m = s.get("measured_economics")
     if m:
         ev_sec.paragraphs.append(
-            f"At the measured cycle ({ev['cycle_ms']:.1f} ms, of which verify {ev['verify_ms']:.1f} ms) break-even "
+            f"At the measured cycle ({cycle['measured']} ms, of which verify {cycle['verify']} ms) break-even "
             f"is τ {m['break_even_accept_len']:.2f}; this drafter {'pays' if m['pays'] else 'does not pay'}"
-            + (f"; it would pay with a verify pass of {m['verify_ms_to_pay']:.1f} ms or less."
+            + (f"; it would pay with a verify pass of {figure(m['verify_ms_to_pay'])} ms or less."
                if m.get("verify_ms_to_pay") else "."))
         png = plots.plot_tok_s_vs_verify({"this drafter": (ev["accept_len"], m["rest_ms"])}, ev["baseline_tok_s"],
                                          ev["verify_ms"], os.path.join(out, "tok_s_vs_verify.png"))
@@ -342,7 +463,8 @@ def demo_report(s: dict, out: str) -> tuple[str, str]:
                 Table(["stage", "seconds", "cached"],
                       [[k, v["seconds"], "yes" if v["cached"] else "no"]
                        for k, v in s["stage_timings"].items() if k != "report"], float_format="{:.1f}")]))
-    return write_report(Report(f"draftport demo: an EAGLE-3 drafter for {s['target']}, end to end", lines, secs), out)
+    return write_report(Report(f"draftport demo: an EAGLE-3 drafter for {s['target']}, end to end", lines, secs,
+                               warnings=warnings), out)
 
 
 def _machine_line(m: dict) -> str:

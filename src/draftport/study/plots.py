@@ -106,21 +106,41 @@ def plot_per_position_curves(series: Mapping[str, Sequence[float]], path: str | 
     return _save(fig, path)
 
 
-def plot_bars(values: Mapping[str, float], path: str | os.PathLike, *, title: str, ylabel: str) -> str:
-    """A labelled bar per entry (tok/s of baseline vs chain vs tree, τ per drafter, …)."""
+MEASURED_COLOUR, PREDICTED_COLOUR = "#8172B2", "#E3DEF0"
+
+
+def plot_bars(values: Mapping[str, float], path: str | os.PathLike, *, title: str, ylabel: str,
+              predicted: Sequence[str] = (), note: str | None = None) -> str:
+    """A labelled bar per entry (tok/s of baseline vs chain vs tree, τ per drafter, …). Entries named in
+    `predicted` are not measurements: drawn pale and hatched, their value marked "predicted", with a legend
+    saying so; `note` is printed under the axis (a caveat the chart itself must carry)."""
     if not values:
         raise DraftportError(f"nothing to plot for {title!r}: no values given")
+    unknown = set(predicted) - set(values)
+    if unknown:
+        raise DraftportError(f"plot {title!r}: predicted bars {sorted(unknown)} have no value")
     plt = _pyplot()
     labels = [str(k) for k in values]
     heights = [float(v) for v in values.values()]
-    fig, ax = plt.subplots(figsize=(max(4.0, 1.2 * len(labels)), 3.8))
-    ax.bar(range(len(labels)), heights, color="#8172B2")
-    for x, y in enumerate(heights):
-        ax.text(x, y, f"{y:.3g}", ha="center", va="bottom", fontsize=8)
+    guess = [k in predicted for k in values]
+    fig, ax = plt.subplots(figsize=(max(4.0, 1.4 * len(labels)), 3.8))
+    for x, (y, g) in enumerate(zip(heights, guess)):
+        ax.bar(x, y, color=PREDICTED_COLOUR if g else MEASURED_COLOUR, edgecolor=MEASURED_COLOUR,
+               hatch="//" if g else None, linestyle="--" if g else "-")
+        ax.text(x, y, f"{y:.3g}" + (" (predicted)" if g else ""), ha="center", va="bottom", fontsize=8)
     ax.set_xticks(range(len(labels)))
     ax.set_xticklabels(labels, rotation=20, ha="right")
     ax.set_ylabel(ylabel)
     ax.set_title(title)
+    ax.set_ylim(0, max(heights) * (1.4 if any(guess) else 1.15) if max(heights) > 0 else 1)  # room for the legend
+    if any(guess):
+        from matplotlib.patches import Patch
+
+        ax.legend(handles=[Patch(color=MEASURED_COLOUR, label="measured in this run"),
+                           Patch(facecolor=PREDICTED_COLOUR, edgecolor=MEASURED_COLOUR, hatch="//",
+                                 label="predicted, not measured")], fontsize=8, loc="upper left")
+    if note:  # under the tick labels, as the axis label (matplotlib places it clear of them)
+        ax.set_xlabel(note, fontsize=8, wrap=True)
     return _save(fig, path)
 
 

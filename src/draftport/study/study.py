@@ -22,7 +22,7 @@ from draftport import economics
 from draftport.data.conversations import split_train_val
 from draftport.errors import DraftportError
 from draftport.study import plots
-from draftport.study.report import Image, Report, Section, Table as RTable, write_report
+from draftport.study.report import Image, Report, Section, Table as RTable, figure, write_report
 from draftport.train.config import TOKEN_SCALE, TrainConfig, parse_token_counts, token_label
 
 
@@ -246,11 +246,15 @@ def study_report(summary: dict, out: str) -> tuple[str, str]:
     base = next((r["baseline_tok_s"] for r in rows if r.get("baseline_tok_s")), None)
     lines = []
     if best is not None:
-        where = "plugged in with no training" if best["drafter"] == "plug-in" else \
+        where = "A's drafter plugged in with no training" if best["drafter"] == "plug-in" else \
             f"{best['drafter']} on {size_words(best)}"
-        lines.append(f"Best drafter on B: {where}, τ {_f(best['accept_len'])} at {_f(best['tok_s'], '{:.1f}')} tok/s "
-                     f"against {_f(base, '{:.1f}')} tok/s without speculation "
-                     f"({'pays' if best.get('pays_measured') else 'does not pay'} at the measured cycle time).")
+        rates = f"{figure(best.get('tok_s'))} tok/s against {figure(base)} tok/s without speculation"
+        if best.get("pays_measured"):
+            lines.append(f"The best drafter on B is {where}: τ {_f(best['accept_len'])}, {rates}; it pays at the "
+                         "measured cycle time.")
+        else:
+            lines.append(f"No drafter pays on B here: the best, {where}, reaches τ {_f(best['accept_len'])} and "
+                         f"{rates}.")
     lines.append(f"A's drafter plugged into B: offline τ {_f(summary.get('plugin_accept_len'))} "
                  f"(on A: {_f(summary.get('accept_len_a'))}), online τ {_f(plugin.get('accept_len'))}.")
     points = summary.get("size_points") or []
@@ -262,9 +266,12 @@ def study_report(summary: dict, out: str) -> tuple[str, str]:
     for recipe in ("transfer", "scratch"):
         last = [r for r in rows if r["drafter"] == recipe and r["size"] == sizes[-1]]
         if last and last[0].get("accept_len") is not None:
+            pay = last[0].get("verify_ms_to_pay")
             lines.append(f"{recipe.capitalize()} at {size_words(last[0])}: τ {_f(last[0]['accept_len'])}, "
-                         f"break-even τ {_f(last[0].get('break_even_accept_len'))}; it would pay with a verify pass of "
-                         f"{_f(last[0].get('verify_ms_to_pay'), '{:.1f}') or 'no'} ms or less.")
+                         f"break-even τ {_f(last[0].get('break_even_accept_len'))}; "
+                         + (f"it would pay with a verify pass of {figure(pay)} ms or less." if pay else
+                            "even a verify pass costing nothing would not make it pay (its draft phase and overhead alone "
+                            "outlast τ tokens without speculation)."))
     secs = []
 
     chk = summary["check"]

@@ -47,7 +47,6 @@ from typing import Any, Callable
 import numpy as np
 import torch
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from torch.utils.tensorboard import SummaryWriter
 
 from draftport.capture.capture import (DEFAULT_BATCH, DEFAULT_MAX_LEN, REGEN_FILE, REGEN_KEYS, REQUEST_KEYS,
@@ -59,6 +58,7 @@ from draftport.errors import DraftportError, bad_input
 from draftport.interrupt import Interrupted, StopRequest
 from draftport.model.formats import save_drafter
 from draftport.model.target import load_target
+from draftport.progress import RESUMED_AT, progress_bar
 from draftport.serving.vllm_capture import check_vllm_target, open_vllm_target
 from draftport.safeio import atomic_write_json, default_out, read_json
 from draftport.train import parallel, resume, rundir
@@ -477,12 +477,12 @@ def _run(cfg: TrainConfig, info, target, console) -> dict:
     marks = sorted(m for m in set(cfg.save_at_tokens or ()) if not rundir.is_complete_milestone(out, m))
     bad_run = 0  # consecutive skipped steps (non-finite loss or gradient)
     pending: list = []  # (step, loss, gradient norm, skipped flag) of steps whose flag the host has not read
-    progress = Progress(TextColumn("training"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
-                        TimeRemainingColumn(), console=console, disable=not info.is_main)
-    # Ctrl-C inside a step would leave the weights half updated: it asks for a stop after the step instead, which
-    # then writes a checkpoint at the step reached (a rerun resumes there) and raises Interrupted
+    progress = progress_bar(console, info=True, disable=not info.is_main)
+    # advanced every step: the ETA shows from the first one (a CPU step can take a minute). Ctrl-C inside a step
+    # would leave the weights half updated: it asks for a stop after the step instead, which then writes a
+    # checkpoint at the step reached (a rerun resumes there) and raises Interrupted
     with progress, StopRequest("after this step, once its checkpoint is written") as stop:
-        task = progress.add_task("train", total=t.steps, completed=start, info="")
+        task = progress.add_task("training", total=t.steps, completed=start, info="", **{RESUMED_AT: start})
         for step in range(start, t.steps):
             s = train_step(t, step)
             done = step + 1

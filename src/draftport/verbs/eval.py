@@ -28,7 +28,6 @@ from dataclasses import asdict, dataclass, field
 from types import SimpleNamespace
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from draftport.data.chat import stop_token_ids
@@ -42,6 +41,7 @@ from draftport.interrupt import Interrupted
 from draftport.model.formats import load_drafter, load_drafter_for, save_drafter
 from draftport.model.target import load_target, resolve_device, target_embedding
 from draftport.serving.vllm_engine import VllmSettings, require_vllm, speculative_config, versus, vllm_eval
+from draftport.progress import progress_bar
 from draftport.safeio import (atomic_write_bytes, atomic_write_json, default_out, path_fingerprint, read_json,
                               sha256_file)
 from draftport.study import plots
@@ -188,25 +188,27 @@ class PromptLog:
 
 
 def decode_prompts(run: EvalRun, convs, prompts: list[list[int]], console, log: PromptLog | None = None) -> EvalTally:
-    """Every prompt through every engine (prompt_record), behind a progress bar. log: the prompts a killed run
-    kept are summed from it, not decoded again, and each new one is kept in it as it finishes."""
+    """Every prompt through every engine (prompt_record), behind a progress bar that advances with each decoding
+    run, so its ETA shows after the first one (a prompt's runs can take minutes on a CPU). log: the prompts a
+    killed run kept are summed from it, not decoded again, and each new one is kept in it as it finishes."""
     tally = EvalTally(run)
     kept = [] if log is None else log.records[:len(prompts)]
     for rec in kept:
         tally.add(rec)
     if kept:
         console.print(f"{len(kept)} of {len(prompts)} prompts decoded by an earlier run read back from {log.path}")
-    with Progress(TextColumn("eval"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=console, transient=True) as bar:
-        task = bar.add_task("prompts", total=len(prompts), completed=len(kept))
+    n = run.decodes_per_prompt
+    with progress_bar(console, transient=True) as bar:
+        task = bar.add_task(f"eval: {len(prompts)} prompts × {n} decodes", total=len(prompts) * n,
+                            completed=len(kept) * n)
         slow = float(os.environ.get("DRAFTPORT_TEST_SLOW_PROMPT_S", "0") or 0)  # test hook: time to kill a run
         try:
             for i in range(len(kept), len(prompts)):
-                rec = json.loads(json.dumps(prompt_record(run, i, convs[i], prompts[i])))  # the form it is kept in
+                rec = prompt_record(run, i, convs[i], prompts[i], tick=lambda: bar.advance(task))
+                rec = json.loads(json.dumps(rec))  # the form it is kept in
                 if log is not None:
                     log.add(rec)
                 tally.add(rec)
-                bar.advance(task)
                 if slow:
                     time.sleep(slow)
         except KeyboardInterrupt:
@@ -256,7 +258,8 @@ def run_eval(cfg: EvalConfig, *, target=None, drafter=None, console=None) -> dic
     run = EvalRun(target, ecfg, base, spec, floor, hyb, lk, hyb_lk, stops, N, ngram_only, flags=flag_record(cfg),
                   timing_repeats=cfg.timing_repeats, hf_baseline=not cfg.no_hf_baseline, fast_base=fast)
     run.store_result = store_offline(run, drafter, cfg.store, cfg.offline_samples, console)
-    warm_up(run, prompts[0])
+    with console.status("warm-up: first calls and graph capture, left out of every figure"):
+        warm_up(run, prompts[0])
     log = PromptLog(cfg.out, key, console, restart=cfg.restart) if resumable else None
     tally = decode_prompts(run, convs, prompts, console, log)
     summary = eval_summary(run, tally, prompts)

@@ -108,10 +108,12 @@ def train_stage(d: str, **values) -> dict:
 
 
 def eval_stage(d: str, **values) -> dict:
-    """`eval` in the stage directory: its summary, with each prompt's rates (`per_prompt`: each prompt is one
-    repeat of the timed decode, so its rates give the spread the aggregate hides)."""
+    """`eval` in the stage directory: its summary, with each prompt's rates (`per_prompt`: speculative, without
+    speculation and prompt lookup's; each prompt is one repeat of the timed decode, so its rates give the spread
+    the aggregate hides)."""
     eval_verb.main(config_from(eval_verb.EvalConfig, {**values, "out": d}))
     s = read_summary(d, "eval")
     rows = [rec for _, rec in iter_jsonl(os.path.join(d, "metrics.jsonl"))]
     s["per_prompt"] = {k: [r[k] for r in rows if r.get(k) is not None] for k in ("tok_s", "baseline_tok_s")}
+    s["per_prompt"]["floor_tok_s"] = [r["floor"]["tok_s"] for r in rows if (r.get("floor") or {}).get("tok_s")]
     return s

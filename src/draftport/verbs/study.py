@@ -1,6 +1,7 @@
 """`draftport study`: the whole port of a drafter from target A to target B, as one report.
 
-The seed's game plan, run instead of written by hand. Stages, each in its own subdirectory of --out:
+A drafter port's whole plan (compatibility, probe, transfer against scratch at each data size, the report), run
+instead of written by hand. Stages, each in its own subdirectory of --out:
 
     check                 can A's drafter be fed by B at all (compat: widths, vocab, layers per engine)
     capture               B's hidden states on the data, max(--sizes) samples, at the drafter's layers
