@@ -325,3 +325,18 @@ def test_cycle_phases_add_up_as_shown():
     rows, shown = cycle_phases({"draft_ms": 1.24, "verify_ms": 6.61, "overhead_ms": 0.32,
                                 "isolated_ms": {"verify_ms": 6.0, "draft_ms_per_step": 0.4}}, 3)
     assert shown["measured"] == "8.17" and [r[1] for r in rows[:3]] == ["1.24", "6.61", "0.32"]
+
+
+def test_report_shows_what_a_request_sees():
+    """Section 5's request table: time to first token and end-to-end rates per way of decoding, from eval's
+    summary (the floor and the hybrid when they carry them); an older summary without them gets no table."""
+    from draftport.study.demo import request_table
+
+    ev = {"ttft_ms": 12.5, "e2e_tok_s": 40.0, "e2e_speedup": 1.6, "tok_s": 50.0, "baseline_ttft_ms": 11.0,
+          "baseline_e2e_tok_s": 25.0, "baseline_tok_s": 30.0,
+          "floor": {"ttft_ms": 11.5, "e2e_tok_s": 30.0, "e2e_speedup": 1.2, "tok_s": 33.0}, "hybrid": None}
+    (table,) = request_table(ev)
+    assert [r[0] for r in table.rows] == ["decoding without speculation", "the drafter trained in this run",
+                                          "prompt lookup (no training)"]
+    assert table.rows[1][1:] == ["12.50", "50.0", "40.0", "1.60"] and table.rows[0][4] == "1.00"
+    assert request_table({"tok_s": 50.0}) == []
