@@ -351,7 +351,7 @@ def test_gpu_recipe_dry_run_commands_parse(tmp_path):
 
     env = RECIPE_ENV
     cmds = dry_run(tmp_path, "all", script="gpu_recipe.sh", **env)
-    assert [c.split()[0] for c in cmds[:2]] == ["head", "tail"] and len(cmds) == 6  # …, curve, goal
+    assert [c.split()[0] for c in cmds[:2]] == ["head", "tail"] and len(cmds) == 7  # …, curve, goal greedy and 0.7
     assert not any("train-more" in c or "train_sweep" in c for c in cmds)  # opt-in: named only
     # the data stage for real: the split files hold the prompts and nothing else
     prompts = tmp_path / "prompts.jsonl"
@@ -384,10 +384,11 @@ def test_gpu_recipe_dry_run_commands_parse(tmp_path):
 
 
 def test_gpu_recipe_goal_and_more_stages(tmp_path):
-    """`goal` (in `all`): the final drafter on all 80 MT-bench first turns, one eval per GOAL_DTYPES entry, the
-    depth and length of the curve's evals; `more` (named only): a warm start from the final drafter on the train
-    stage's answers (no regeneration), then its eval of the curve's size, and `goal` evaluates it too once it
-    exists. Every command through the CLI's parser."""
+    """`goal` (in `all`): the final drafter on all 80 MT-bench first turns with the hybrid beside the floor, greedy
+    and at each GOAL_TEMPS temperature, per GOAL_DTYPES entry, the depth and length of the curve's evals
+    (GOAL_DRAFTER=ngram: prompt lookup alone, no hybrid); `more` (named only): a warm start from the final drafter
+    on the train stage's answers (no regeneration), then its eval of the curve's size, and `goal` evaluates it too
+    once it exists. Every command through the CLI's parser."""
     import shlex
 
     from draftport.cli import build_parser
@@ -395,20 +396,25 @@ def test_gpu_recipe_goal_and_more_stages(tmp_path):
     env = RECIPE_ENV
     cmds = dry_run(tmp_path, "more,goal", script="gpu_recipe.sh", **env, GOAL_DTYPES="bf16,fp32")
     parsed = [build_parser().parse_args(shlex.split(c)[3:]) for c in cmds]
-    assert [a.verb for a in parsed] == ["train", "eval", "eval", "eval"]
+    assert [a.verb for a in parsed] == ["train", "eval", "eval", "eval", "eval", "eval"]
     more = parsed[0]
     assert more.init_from.endswith("train-chat/final") and more.data.endswith("train-chat/regenerated.jsonl")
     assert not more.regenerate and not more.aux_scale and (more.steps, more.lr) == (900, 3e-4)
     assert more.out.endswith("/train-more") and more.group_by_length == 32
     ev = parsed[1:]
-    assert [a.drafter.rsplit("/", 2)[-2] for a in ev] == ["train-more", "train-chat", "train-chat"]
-    assert [(a.max_samples, a.dtype) for a in ev] == [(10, "bf16"), (80, "bf16"), (80, "fp32")]
+    assert [a.drafter.rsplit("/", 2)[-2] for a in ev] == ["train-more"] + ["train-chat"] * 4
+    assert [(a.max_samples, a.dtype, a.temperature, a.hybrid) for a in ev] == [
+        (10, "bf16", 0.0, False), (80, "bf16", 0.0, True), (80, "bf16", 0.7, True), (80, "fp32", 0.0, True),
+        (80, "fp32", 0.7, True)]
     assert all(a.prompts == "mt-bench" and a.depth == 3 and a.max_new_tokens == 200 and a.chat_template == "gemma"
                for a in ev)
     # once the warm start's drafter exists, goal evaluates it beside the final one
     (tmp_path / "out" / "train-more" / "final").mkdir(parents=True)
     again = dry_run(tmp_path, "goal", script="gpu_recipe.sh", **env)
-    assert len(again) == 2 and "train-more/final" in again[1] and again[1].endswith("goal/more-bf16")
+    assert len(again) == 3 and "train-more/final" in again[2] and again[2].endswith("goal/more-bf16")
+    lookup = [build_parser().parse_args(shlex.split(c)[3:])
+              for c in dry_run(tmp_path, "goal", script="gpu_recipe.sh", **env, GOAL_DRAFTER="ngram")[:2]]
+    assert [(a.drafter, a.hybrid, a.temperature) for a in lookup] == [("ngram", False, 0.0), ("ngram", False, 0.7)]
 
 
 def test_gpu_recipe_sweep_stage_parses(tmp_path, monkeypatch):
