@@ -380,13 +380,13 @@ def test_flex_training_step_equals_eager_on_cuda(store, tmp_path):
 
 @pytest.mark.slow
 def test_gemma_270m_sharegpt_capture_then_train_learns(gemma_target, tmp_path):
-    """The real target on 48 ShareGPT conversations (128 tokens each), 40 steps on the CPU (a slow test).
+    """The real target on 32 ShareGPT conversations (128 tokens each), 24 steps on the CPU (a slow test).
     A fresh drafter scores τ = 1.0; this short run gains only a little τ and step-0 accuracy, hence the low
     bars (the +0.5 τ of the tiny test needs far more data and steps than a CPU test can afford)."""
-    run_capture(CaptureConfig(target="gemma-3-270m", data="sharegpt", out=str(tmp_path / "store"), max_samples=48,
+    run_capture(CaptureConfig(target="gemma-3-270m", data="sharegpt", out=str(tmp_path / "store"), max_samples=32,
                               max_len=128, device="cpu", dtype="fp32"), target=gemma_target, console=QUIET)
     s = run_train(TrainConfig(target="gemma-3-270m", data=str(tmp_path / "store"), out=str(tmp_path / "run"),
-                              steps=40, batch_size=2, ttt_steps=3, draft_vocab_size=4096, lr=2e-3, val_fraction=0.15,
+                              steps=24, batch_size=2, ttt_steps=3, draft_vocab_size=4096, lr=3e-3, val_fraction=0.15,
                               device="cpu", dtype="fp32"), target=gemma_target, console=QUIET)
     fresh = s["initial_val"]
     assert s["val_loss"] < fresh["val_loss"] - 4.0, (fresh, s)
