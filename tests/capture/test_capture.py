@@ -26,15 +26,15 @@ WORDS = ("the robot paints a quiet town by the sea every morning it watches the 
          "colours attention mixes values by weights def add return print numbers hello paris").split()
 
 
-def write_convs(path, n: int, seed: int = 0) -> str:
-    """n conversations of 1-2 turns and varied lengths, as JSONL with `messages`."""
+def write_convs(path, n: int, seed: int = 0, user=(2, 9), answer=(3, 14)) -> str:
+    """n conversations of 1-2 turns and varied lengths (words per turn in [lo, hi)), as JSONL with `messages`."""
     rng = np.random.default_rng(seed)
     with open(path, "w") as f:
         for i in range(n):
             msgs = []
             for _ in range(1 + i % 2):
-                msgs.append({"role": "user", "content": " ".join(rng.choice(WORDS, rng.integers(2, 9)))})
-                msgs.append({"role": "assistant", "content": " ".join(rng.choice(WORDS, rng.integers(3, 14)))})
+                msgs.append({"role": "user", "content": " ".join(rng.choice(WORDS, rng.integers(*user)))})
+                msgs.append({"role": "assistant", "content": " ".join(rng.choice(WORDS, rng.integers(*answer)))})
             f.write(json.dumps({"id": str(i), "messages": msgs}) + "\n")
     return str(path)
 

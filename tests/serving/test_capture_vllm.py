@@ -21,23 +21,9 @@ import torch
 from draftport.capture.capture import CaptureConfig, run_capture
 from draftport.data.store import MANIFEST, Store
 from draftport.model.target import tiny_target
+from test_capture import write_convs
 
-WORDS = ("the robot paints a quiet town by the sea every morning it watches the sunrise and wonders about "
-         "colours attention mixes values by weights def add return print numbers hello paris").split()
 MAX_LEN, SHARD_TOKENS = 96, 150
-
-
-def write_convs(path, n: int, seed: int = 0) -> str:
-    """n conversations of 1-2 turns and varied lengths, as JSONL with `messages`."""
-    rng = np.random.default_rng(seed)
-    with open(path, "w") as f:
-        for i in range(n):
-            msgs = []
-            for _ in range(1 + i % 2):
-                msgs.append({"role": "user", "content": " ".join(rng.choice(WORDS, rng.integers(2, 12)))})
-                msgs.append({"role": "assistant", "content": " ".join(rng.choice(WORDS, rng.integers(3, 30)))})
-            f.write(json.dumps({"id": str(i), "messages": msgs}) + "\n")
-    return str(path)
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +34,7 @@ def cap(tmp_path_factory):
     t = tiny_target("llama", head_dim=32, num_attention_heads=2, num_key_value_heads=2)
     t.model.save_pretrained(target_dir)
     t.tokenizer.save_pretrained(target_dir)
-    data = write_convs(root / "convs.jsonl", 24)
+    data = write_convs(root / "convs.jsonl", 24, user=(2, 12), answer=(3, 30))
     hf = str(root / "hf")
     run_capture(make_cfg(target_dir, data, hf, backend="draftport"))
     return {"root": root, "target": target_dir, "data": data, "hf": hf}
