@@ -64,3 +64,18 @@ def test_a_bad_number_is_one_line_exit_2_before_anything_loads(verb, flag, kind,
 
 def test_a_good_number_passes_the_type():
     assert cli.COUNT("3") == 3 and cli.NON_NEGATIVE("0") == 0 and cli.TOP_P("1") == 1.0 and cli.POSITIVE("1e-4") == 1e-4
+
+
+def test_every_flag_of_every_verb_says_what_it_is():
+    """--help explains every flag: none without a help text, and a required --target does not call itself a
+    default."""
+    import argparse
+
+    from draftport.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    bare = [(verb, a.option_strings or a.dest) for verb, p in sub.choices.items() for a in p._actions
+            if a.dest != "help" and not a.help]
+    assert bare == []
+    targets = [a for p in sub.choices.values() for a in p._actions if "--target" in a.option_strings and a.required]
+    assert targets and all("default" not in a.help and "required" in a.help for a in targets)

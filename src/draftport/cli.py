@@ -15,7 +15,8 @@ import sys
 from dataclasses import dataclass
 
 from draftport.check.layers import validate_aux_ids
-from draftport.decode.options import BACKENDS, NATIVE_COMPILE, REGEN_ENGINES, SDPA_CHOICES, TARGET_PASSES
+from draftport.decode.options import (BACKENDS, DEFAULT_MAX_NEW_TOKENS, NATIVE_COMPILE, REGEN_ENGINES, SDPA_CHOICES,
+                                      TARGET_PASSES)
 from draftport.economics import STATE_BYTES
 from draftport.errors import DraftportError, is_disk_full, report
 from draftport.interrupt import Interrupted
@@ -111,10 +112,15 @@ def _aux_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(str(exc))
 
 
+TARGET_A_HELP = "target A, the one the drafter was trained for: HF model dir, .gguf file, or 'gemma-3-270m'"
+TARGET_B_HELP = ("target B, the new one (e.g. A fine-tuned: examples/make_target_b.py makes one): HF model dir, "
+                 ".gguf file, or 'gemma-3-270m'")
+
+
 def _add_common(p: argparse.ArgumentParser, *, target=False, data=False, out: bool | str = False, samples=False,
                 device=False, seed=False, json=True, template=False, gen=False) -> None:
     if target:
-        p.add_argument("--target", required=True, help="HF model dir, .gguf file, or 'gemma-3-270m' (embedded default)")
+        p.add_argument("--target", required=True, help="HF model dir, .gguf file, or 'gemma-3-270m' (the model the demo uses); required")
         p.add_argument("--trust-remote-code", action="store_true", help="allow the target's own code (off by default)")
     if data:
         p.add_argument("--data", required=True, help="sharegpt | mt-bench | humaneval | a JSON/JSONL file | a capture store")
@@ -124,19 +130,23 @@ def _add_common(p: argparse.ArgumentParser, *, target=False, data=False, out: bo
     if samples:
         p.add_argument("--max-samples", type=COUNT, default=None, help="use at most N samples")
         p.add_argument("--max-len", type=COUNT, default=None, help="tokens per sample at most")
-        p.add_argument("--batch-size", type=COUNT, default=None)
+        p.add_argument("--batch-size", type=COUNT, default=None,
+                       help="samples a batch holds (capture: a forward pass; train: an optimizer step); default per verb")
     if device:
         p.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda when available")
         p.add_argument("--dtype", default=None, choices=["bf16", "fp32"], help="default: bf16 on cuda, fp32 on cpu")
     if seed:
-        p.add_argument("--seed", type=NON_NEGATIVE, default=0)
+        p.add_argument("--seed", type=NON_NEGATIVE, default=0,
+                       help="random seed (data order, initialisation, sampling); default 0")
     if template:
         p.add_argument("--chat-template", default=None,
                        help="named template (llama3, qwen, gemma, kimi-k2, plain …); default: the tokenizer's own, else plain")
     if gen:
-        p.add_argument("--max-new-tokens", type=COUNT, default=None)
+        p.add_argument("--max-new-tokens", type=COUNT, default=None,
+                       help=f"new tokens per prompt (default {DEFAULT_MAX_NEW_TOKENS})")
         p.add_argument("--temperature", type=TEMPERATURE, default=0.0, help="0 = greedy")
-        p.add_argument("--top-p", type=TOP_P, default=1.0)
+        p.add_argument("--top-p", type=TOP_P, default=1.0,
+                       help="with --temperature > 0: sample from the most likely tokens whose probabilities add up to p")
         p.add_argument("--depth", type=COUNT, default=None, help="draft depth k (chain default 3, tree default 5)")
         p.add_argument("--topk", type=COUNT, default=1, help="1 = chain; >1 = EAGLE-2 dynamic tree")
         p.add_argument("--num-draft-tokens", type=COUNT, default=None, help="tree: tokens verified per cycle (default 8)")
@@ -320,13 +330,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drafter", default=None,
                    help="drafter dir, or 'ngram' (prompt lookup, no checkpoint); omit for plain (no speculation) decoding")
     _add_lookup(p)
-    p.add_argument("--prompt", required=True)
+    p.add_argument("--prompt", required=True, help="the user's message to answer (the chat template is applied)")
 
     p = sub.add_parser("probe", help="transferability before training: hidden-state similarity and plug-in τ")
-    p.add_argument("--target-a", required=True)
-    p.add_argument("--target-b", required=True)
+    p.add_argument("--target-a", required=True, help=TARGET_A_HELP)
+    p.add_argument("--target-b", required=True, help=TARGET_B_HELP)
     p.add_argument("--drafter", default=None, help="drafter trained for A (plug-in τ on B)")
-    p.add_argument("--trust-remote-code", action="store_true")
+    p.add_argument("--trust-remote-code", action="store_true", help="allow the targets' own code (off by default)")
     p.add_argument("--depth", type=COUNT, default=3, help="chain depth of the offline τ")
     p.add_argument("--restart", action="store_true", help="recapture both targets' states instead of reusing them")
     _add_common(p, data=True, out=True, samples=True, device=True, seed=True, template=True)
@@ -349,19 +359,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 
     p = sub.add_parser("study", help="the whole port study → report.md / report.html")
-    p.add_argument("--target-a", required=True)
-    p.add_argument("--drafter-a", required=True)
-    p.add_argument("--target-b", required=True)
+    p.add_argument("--target-a", required=True, help=TARGET_A_HELP)
+    p.add_argument("--drafter-a", required=True, help="the drafter trained for target A (its directory)")
+    p.add_argument("--target-b", required=True, help=TARGET_B_HELP)
     p.add_argument("--sizes", default=None,  # the unit is study.parse_sizes' to decide (checked before any work)
                    help="data sizes of the scaling curve: samples (50,200) or tokens (125k,500k,1M,2M: every entry "
                         "with a k/M/G suffix; capture then takes --max-samples prompts, default all of --data)")
     p.add_argument("--steps", type=COUNT, default=None, help="optimizer steps of every run (default one epoch)")
     p.add_argument("--epochs", type=POSITIVE, default=None,
                    help="instead of --steps: each run's steps = epochs × its training samples / batch size")
-    p.add_argument("--ttt-steps", type=COUNT, default=7)
-    p.add_argument("--prompts", default="mt-bench")
-    p.add_argument("--max-new-tokens", type=COUNT, default=None)
-    p.add_argument("--trust-remote-code", action="store_true")
+    p.add_argument("--ttt-steps", type=COUNT, default=7,
+                   help="training-time-test unroll: draft steps trained per position")
+    p.add_argument("--prompts", default="mt-bench", help="the evals' prompts: mt-bench | humaneval | sharegpt | FILE")
+    p.add_argument("--max-new-tokens", type=COUNT, default=None,
+                   help=f"the evals' new tokens per prompt (default {DEFAULT_MAX_NEW_TOKENS})")
+    p.add_argument("--trust-remote-code", action="store_true", help="allow the targets' own code (off by default)")
     p.add_argument("--eval-prompts", type=COUNT, default=8, help="prompts per online eval")
     p.add_argument("--probe-samples", type=COUNT, default=64, help="conversations the probe compares")
     p.add_argument("--depth", type=COUNT, default=3, help="chain depth of every eval")
