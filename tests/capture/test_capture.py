@@ -242,21 +242,25 @@ def _cli(out, data, env=None, extra=()):
                             env={**os.environ, **(env or {})})
 
 
-@pytest.mark.slow
-def test_sigkill_and_rerun_equals_uninterrupted_subprocess(tmp_path, data):
-    fresh = _cli(tmp_path / "fresh", data)
-    killed = _cli(tmp_path / "killed", data, env={"DRAFTPORT_TEST_SLOW_SHARD_S": "3"})
-    manifest = tmp_path / "killed" / MANIFEST
-    deadline = time.time() + 300
-    while time.time() < deadline and killed.poll() is None:
+def kill_after_first_shard(proc, manifest, timeout_s: float) -> None:
+    """SIGKILL a running capture once its manifest has committed a shard (it must still be running then)."""
+    deadline = time.time() + timeout_s
+    while time.time() < deadline and proc.poll() is None:
         try:
             if json.loads(manifest.read_text())["shards"]:
                 break
         except (OSError, ValueError, KeyError):
             pass
         time.sleep(0.1)
-    assert killed.poll() is None, killed.communicate()[1]
-    os.kill(killed.pid, signal.SIGKILL)
+    assert proc.poll() is None, proc.communicate()[1][-3000:]
+    os.kill(proc.pid, signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_sigkill_and_rerun_equals_uninterrupted_subprocess(tmp_path, data):
+    fresh = _cli(tmp_path / "fresh", data)
+    killed = _cli(tmp_path / "killed", data, env={"DRAFTPORT_TEST_SLOW_SHARD_S": "3"})
+    kill_after_first_shard(killed, tmp_path / "killed" / MANIFEST, 300)
     killed.wait()
     partial = shard_table(tmp_path / "killed")
     assert fresh.wait(timeout=300) == 0, fresh.communicate()[1]

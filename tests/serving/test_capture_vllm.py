@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -21,7 +19,7 @@ import torch
 from draftport.capture.capture import CaptureConfig, run_capture
 from draftport.data.store import MANIFEST, Store
 from draftport.model.target import tiny_target
-from test_capture import write_convs
+from test_capture import kill_after_first_shard, write_convs
 
 MAX_LEN, SHARD_TOKENS = 96, 150
 
@@ -137,17 +135,7 @@ def test_sigkill_mid_capture_resumes_to_the_same_store(cap, vllm_store, tmp_path
     store of an uninterrupted run."""
     out = tmp_path / "killed"
     killed = _cli(cap["target"], cap["data"], out, env={"DRAFTPORT_TEST_SLOW_SHARD_S": "5"})
-    manifest = out / MANIFEST
-    deadline = time.time() + 400
-    while time.time() < deadline and killed.poll() is None:
-        try:
-            if json.loads(manifest.read_text())["shards"]:
-                break
-        except (OSError, ValueError, KeyError):
-            pass
-        time.sleep(0.1)
-    assert killed.poll() is None, killed.communicate()[1][-3000:]
-    os.kill(killed.pid, signal.SIGKILL)
+    kill_after_first_shard(killed, out / MANIFEST, 400)
     killed.wait()
     partial = shard_table(out)
     full = shard_table(vllm_store[0])
